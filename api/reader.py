@@ -1,0 +1,121 @@
+"""One task per replica reads every in-flight result stream with a single XREAD and routes
+entries by request id into bounded per-request queues (the seed's `listen`, without its leaks:
+a subscription is removed by whoever opened it, whatever way the request ends).
+
+New requests wake the blocked XREAD through the replica's wake stream, which shares the
+replica's hash tag, so the whole read stays within one Redis Cluster slot. A request whose
+queue is nearly full is left out of the read until its client catches up: the tokens wait in
+Redis, not in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.messages import Error, Finish, ResultEntry, decode_result
+from shared.redis_conn import RedisClients, StreamEntries, stream_reply
+
+log = logging.getLogger("redserve.api.reader")
+
+READ_COUNT = 64  # entries per stream per read
+BLOCK_MS = 1000  # upper bound on how long a paused stream waits to be read again
+WAKE_MAXLEN = 64
+
+
+@dataclass
+class Subscription:
+    request_id: str
+    key: str
+    queue: asyncio.Queue[ResultEntry]
+    last_id: bytes | str = "0-0"
+    ended: bool = False  # the terminal entry has been routed
+
+
+@dataclass
+class ResultReader:
+    clients: RedisClients
+    keys: Keys
+    replica: str
+    buffer: int
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by stream key
+    _wake_id: bytes | str = "0-0"
+    _task: asyncio.Task[None] | None = None
+
+    @property
+    def wake_key(self) -> str:
+        return self.keys.wake(self.replica)
+
+    async def start(self, ttl_s: int) -> None:
+        # Start reading the wake stream after an entry of our own: every later wake is newer.
+        self._wake_id = await self._wake(self.clients.commands, ttl_s)
+        self._task = asyncio.create_task(self._run(), name="result-reader")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def open(self, request_id: str) -> Subscription:
+        sub = Subscription(request_id, self.keys.out(request_id), asyncio.Queue(self.buffer))
+        self.subscriptions[sub.key] = sub
+        return sub
+
+    def close(self, sub: Subscription) -> None:
+        self.subscriptions.pop(sub.key, None)
+
+    def queue_wake(self, pipe: aioredis.client.Pipeline, ttl_s: int) -> None:
+        """Add the wake-up to a pipeline that also enqueues a request."""
+        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN)
+        pipe.expire(self.wake_key, ttl_s)
+
+    async def _wake(self, redis: aioredis.Redis, ttl_s: int) -> bytes:
+        pipe = redis.pipeline(transaction=False)
+        self.queue_wake(pipe, ttl_s)
+        entry_id, _ = await pipe.execute()
+        return bytes(entry_id)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            streams: dict[Any, Any] = {self.wake_key: self._wake_id}
+            for sub in self.subscriptions.values():
+                if not sub.ended and sub.queue.qsize() <= self.buffer - READ_COUNT:
+                    streams[sub.key] = sub.last_id
+            try:
+                response = await self.clients.blocking.xread(
+                    streams, count=READ_COUNT, block=BLOCK_MS
+                )
+                backoff = 0.05
+            except aioredis.RedisError as e:
+                log.warning("result reader: %s; retrying in %.2fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for raw_key, entries in stream_reply(response):
+                self._route(raw_key.decode(), entries)
+
+    def _route(self, key: str, entries: StreamEntries) -> None:
+        if key == self.wake_key:
+            self._wake_id = entries[-1][0]
+            return
+        sub = self.subscriptions.get(key)
+        if sub is None:
+            return  # its request already ended here: late entries have no one to go to
+        for entry_id, fields in entries:
+            sub.last_id = entry_id
+            try:
+                entry = decode_result(fields)
+            except (KeyError, ValueError) as e:
+                entry = Error(f"malformed result entry: {e}")
+            sub.queue.put_nowait(entry)
+            if isinstance(entry, Finish | Error):
+                sub.ended = True
+                return

@@ -1,0 +1,84 @@
+"""OpenAI response objects for chat and text completions, streamed or whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+from starlette.responses import Response
+
+Kind = Literal["chat", "text"]
+SYSTEM_FINGERPRINT = "redserve"
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, role: bool = False
+    ) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, str] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or ""}
+            obj = "text_completion"
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        return {**self._envelope(obj), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj), "choices": [], "usage": usage}
+
+    def whole(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text}
+            obj = "text_completion"
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        return {**self._envelope(obj), "choices": [choice], "usage": usage}
+
+
+def json_response(
+    body: dict[str, Any], status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(orjson.dumps(body), status_code, headers, media_type="application/json")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

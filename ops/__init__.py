@@ -1,0 +1,1 @@
+"""Operator tools: the `redserve` command, the embedded Redis, benchmarks."""

@@ -1,0 +1,135 @@
+"""One request, measured end to end against transformers `generate` on the same prompt.
+
+    python -m ops.bench_single [--cold] [--max-tokens 128]
+
+Starts `redserve up` (embedded Redis, default model) on a free port and reports:
+- start-up: from launching `redserve up` to the first answered request (`--cold` points the
+  model cache at an empty directory, so the GGUF conversion is included);
+- one streaming request: time to first token and decode tokens/s, read as a client would;
+- HF `generate` in this process on the same prompt (greedy): time to first token (a one-token
+  generate) and tokens/s, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from ops.embedded_redis import free_port
+from shared.models import resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+
+QUESTION = "What is KV Cache?"
+
+
+def _start(port: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], float]:
+    t0 = time.perf_counter()
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port)], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1}
+    while True:
+        if up.poll() is not None:
+            raise RuntimeError("redserve up exited")
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+            if r.status_code == 200:
+                return up, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
+def _stream(port: int, max_tokens: int) -> tuple[float, float, int]:
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    assert first is not None
+    return first, (tokens - 1) / (total - first), tokens
+
+
+def _hf(max_tokens: int) -> tuple[float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    tok = AutoTokenizer.from_pretrained(str(info.path))
+    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch.float32).eval()
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                add_generation_prompt=True, return_dict=False)])
+    mask = torch.ones_like(ids)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # warm up
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                   min_new_tokens=max_tokens, do_sample=False)
+    total = time.perf_counter() - t0
+    return ttft, (max_tokens - 1) / (total - ttft)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--cold", action="store_true", help="start from an empty model cache")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    console = Console()
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    cache = tempfile.TemporaryDirectory() if args.cold else None
+    if cache is not None:
+        env["REDSERVE_CACHE_DIR"] = cache.name
+    port = free_port()
+    with console.status("starting redserve up"):
+        up, startup = _start(port, env)
+    try:
+        with console.status("one streaming request"):
+            _stream(port, 8)  # warm-up
+            ttft, tps, tokens = _stream(port, args.max_tokens)
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(60)
+        if cache is not None:
+            cache.cleanup()
+    with console.status("HF generate"):
+        hf_ttft, hf_tps = _hf(args.max_tokens)
+
+    table = Table(title=f"one request, {DEFAULT_MODEL}, greedy, {tokens} tokens")
+    for col in ("", "redserve (HTTP stream)", "HF generate", "ratio"):
+        table.add_column(col)
+    table.add_row(f"start-up to first answer ({'cold' if args.cold else 'warm'})",
+                  f"{startup:.1f} s", "", "")
+    table.add_row("time to first token", f"{ttft * 1000:.0f} ms", f"{hf_ttft * 1000:.0f} ms",
+                  f"{ttft / hf_ttft:.2f}x")
+    table.add_row("decode tokens/s", f"{tps:.1f}", f"{hf_tps:.1f}", f"{tps / hf_tps:.2f}x")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

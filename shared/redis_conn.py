@@ -1,0 +1,42 @@
+"""Redis connections. Each process keeps two clients:
+
+- `commands`: pooled, with a socket timeout, for short commands and pipelines;
+- `blocking`: for XREAD/XREADGROUP BLOCK, with no socket timeout (redis-py's default would cut
+  a long block short) and its own connections so a block never holds up a command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+@dataclass(frozen=True)
+class RedisClients:
+    commands: aioredis.Redis
+    blocking: aioredis.Redis
+
+    async def close(self) -> None:
+        await self.commands.aclose()
+        await self.blocking.aclose()
+
+
+def connect(url: str, *, name: str) -> RedisClients:
+    # RESP2 pinned: stream replies are parsed as RESP2 lists on both sides.
+    common: dict[str, Any] = {
+        "socket_connect_timeout": 5.0, "health_check_interval": 30, "protocol": 2,
+    }
+    commands = aioredis.Redis.from_url(url, socket_timeout=10.0, client_name=name, **common)
+    blocking = aioredis.Redis.from_url(
+        url, socket_timeout=None, client_name=f"{name}-block", **common
+    )
+    return RedisClients(commands=commands, blocking=blocking)
+
+
+def stream_reply(reply: object) -> list[tuple[bytes, StreamEntries]]:
+    """XREAD/XREADGROUP reply as RESP2 gives it: [(stream key, [(entry id, fields)])]."""
+    return cast(list[tuple[bytes, StreamEntries]], reply or [])

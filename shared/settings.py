@@ -1,0 +1,52 @@
+"""Settings shared by every process, read from `REDSERVE_*` environment variables.
+
+`REDIS_URL` is honoured as well as `REDSERVE_REDIS_URL`, because that is the name operators
+and managed Redis offerings already use. Unset means "start an embedded server" (`redserve up`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REDSERVE_", frozen=True, populate_by_name=True)
+
+    redis_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("REDSERVE_REDIS_URL", "REDIS_URL", "redis_url")
+    )
+    key_prefix: str = Field(default="rs", pattern=r"^[A-Za-z0-9_.:-]+$")
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    cache_dir: Path = Path.home() / ".cache" / "redserve"
+
+    # Per-request keys live this long from creation; a finished request's keys are refreshed to
+    # `finished_ttl_s` so a client can still read its result, then everything expires.
+    request_ttl_s: int = Field(default=3600, ge=1)
+    finished_ttl_s: int = Field(default=300, ge=1)
+    # A request not finished this long after it was accepted ends with an error entry.
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    # Entries kept in the request stream (approximate trim): far above any sane backlog.
+    request_stream_maxlen: int = Field(default=100_000, ge=100)
+
+    # API replica.
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # Result entries buffered per request in the API before its stream is paused in Redis.
+    per_request_buffer: int = Field(default=256, ge=8)
+
+    # Worker.
+    worker_name: str | None = None
+    device: str = "auto"
+    max_running: int = Field(default=32, ge=1)
+    # Prompt tokens prefilled in one step (a lone prompt longer than this still runs alone).
+    max_prefill_tokens: int = Field(default=2048, ge=16)
+    # KV cache budget, in bytes.
+    kv_cache_bytes: int = Field(default=2 * 1024**3, ge=1024**2)
+    heartbeat_ttl_s: int = Field(default=10, ge=2)

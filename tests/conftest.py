@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from ops.embedded_redis import EmbeddedRedis
+from shared.models import ModelInfo, resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+from tests.stack import Stack
+
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The machine's Redis when it answers, else an embedded Valkey for the session."""
+    try:
+        redis.Redis.from_url(LOCAL_REDIS, socket_connect_timeout=0.5).ping()
+        yield LOCAL_REDIS
+        return
+    except redis.ConnectionError:
+        pass
+    server = EmbeddedRedis()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def sync_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ModelInfo:
+    """The real default model (converted from its GGUF once, then cached)."""
+    return resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(smollm2: ModelInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's real tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2.path))
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
+    stack = Stack(redis_url, tiny_model, served_name="tiny-llama").start()
+    yield stack
+    stack.stop()

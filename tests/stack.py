@@ -1,0 +1,93 @@
+"""Real processes for tests: API replicas and workers started as `redserve api|worker`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ops.embedded_redis import free_port
+
+
+def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSERVE_")}
+    env.pop("REDIS_URL", None)
+    if redis_url is not None:
+        env["REDIS_URL"] = redis_url
+    env["REDSERVE_KEY_PREFIX"] = prefix
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    model: Path
+    served_name: str | None = None
+    workers: int = 1
+    api: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    prefix: str = field(default_factory=lambda: f"rstest-{uuid.uuid4().hex[:8]}")
+    port: int = field(default_factory=free_port)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, *args: str) -> None:
+        log = Path(tempfile.mkstemp(prefix="redserve-test-", suffix=".log")[1])
+        self.logs.append(log)
+        env = child_env(self.redis_url, self.prefix, **self.env)
+        named = ["--served-model-name", self.served_name] if self.served_name else []
+        with log.open("wb") as out:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ops.cli", *args, "--model", str(self.model), *named],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            ))
+
+    def start(self, timeout: float = 120.0) -> Stack:
+        for _ in range(self.workers):
+            self._spawn("worker")
+        if self.api:
+            self._spawn("api", "--host", "127.0.0.1", "--port", str(self.port))
+            self.wait_http(timeout)
+        return self
+
+    def wait_http(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a stack process exited early:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"API not healthy after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log}\n{log.read_text()[-4000:]}" for log in self.logs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.unlink(missing_ok=True)

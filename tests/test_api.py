@@ -1,0 +1,148 @@
+"""The whole request path on real parts: uvicorn + Redis + a worker running a tiny Llama with
+SmolLM2's tokenizer, driven by the official `openai` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from shared.keys import Keys
+from tests.stack import Stack
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(tiny_stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test",
+                              max_retries=0)
+
+
+def _chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
+    [model] = client.models.list().data
+    assert model.id == MODEL
+    assert model.model_extra and model.model_extra["max_model_len"] == 512
+    assert httpx.get(f"{tiny_stack.base_url}/health").json() == {"status": "ok"}
+
+
+def test_streamed_deltas_concatenate_to_the_whole_reply(
+    client: openai.OpenAI, tiny_model: Path
+) -> None:
+    messages = _chat("Tell me about paged attention.")
+    whole = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage_chunk = chunks[-1]
+    chunks = chunks[:-1]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert "\ufffd" not in streamed
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      return_dict=False))
+    assert whole.usage is not None and usage_chunk.usage is not None
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    if whole.choices[0].finish_reason == "length":
+        assert whole.usage.completion_tokens == 24
+    assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens
+
+
+async def test_completions_from_text_and_from_token_ids(
+    aclient: openai.AsyncOpenAI, tiny_model: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = "The capital of France is"
+    ids = tokenizer.encode(text)
+    by_text = await aclient.completions.create(model=MODEL, prompt=text, max_tokens=10,
+                                               temperature=0)
+    by_ids = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=10,
+                                              temperature=0)
+    assert by_text.object == "text_completion" and by_text.id.startswith("cmpl-")
+    assert by_text.choices[0].text == by_ids.choices[0].text != ""
+    assert by_text.usage is not None and by_text.usage.prompt_tokens == len(ids)
+    streamed = ""
+    async for chunk in await aclient.completions.create(model=MODEL, prompt=text, max_tokens=10,
+                                                        temperature=0, stream=True):
+        streamed += chunk.choices[0].text
+    assert streamed == by_text.choices[0].text
+
+
+async def test_concurrent_requests_each_get_their_own_solo_answer(
+    aclient: openai.AsyncOpenAI,
+) -> None:
+    questions = [f"Question number {i}: why is the sky {c}?"
+                 for i, c in enumerate(["blue", "red", "green", "grey", "black", "white"])]
+
+    async def ask(q: str, stream: bool) -> str:
+        if stream:
+            parts = []
+            async for c in await aclient.chat.completions.create(
+                model=MODEL, messages=_chat(q), max_tokens=16 + len(q) % 5,  # type: ignore[arg-type]
+                temperature=0, stream=True,
+            ):
+                parts.append(c.choices[0].delta.content or "")
+            return "".join(parts)
+        r = await aclient.chat.completions.create(
+            model=MODEL, messages=_chat(q), max_tokens=16 + len(q) % 5,  # type: ignore[arg-type]
+            temperature=0,
+        )
+        return r.choices[0].message.content or ""
+
+    solo = [await ask(q, stream=False) for q in questions]
+    together = await asyncio.gather(*(ask(q, stream=i % 2 == 0) for i, q in enumerate(questions)))
+    assert list(together) == solo
+    assert len(set(solo)) > 1  # different prompts, different answers: routing is really tested
+
+
+def test_request_id_header_and_finished_keys_expire(
+    tiny_stack: Stack, client: openai.OpenAI, sync_redis: redis.Redis
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=_chat("hi"), max_tokens=4, temperature=0,  # type: ignore[arg-type]
+    )
+    request_id = raw.headers["x-request-id"]
+    completion = raw.parse()
+    assert completion.id == f"chatcmpl-{request_id}"
+    other = client.chat.completions.create(model=MODEL, messages=_chat("hi"),  # type: ignore[arg-type]
+                                           max_tokens=4, temperature=0)
+    assert other.id != completion.id
+
+    keys = Keys(tiny_stack.prefix)
+    state = sync_redis.hgetall(keys.state(request_id))
+    assert state[b"state"] == b"done"
+    assert state[b"completion_tokens"] == str(completion.usage.completion_tokens).encode()  # type: ignore[union-attr]
+    assert state[b"worker"]
+    # Every key of this request carries a TTL; only the shared request stream does not.
+    request_keys = [k for k in sync_redis.scan_iter(match=f"{tiny_stack.prefix}:*")
+                    if request_id.encode() in k]
+    assert keys.out(request_id).encode() in request_keys
+    for key in request_keys:
+        assert sync_redis.ttl(key) > 0, key
+    for key in sync_redis.scan_iter(match=f"{tiny_stack.prefix}:*"):
+        if key != keys.requests.encode():
+            assert sync_redis.ttl(key) > 0, key

@@ -1,0 +1,95 @@
+"""`redserve up`: the whole system from one command, stopped cleanly by Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ops.embedded_redis import free_port
+from tests.stack import child_env
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # fields[0] is the state, fields[3] the session id; zombies are already gone for us.
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_help_explains_every_command() -> None:
+    for command in ([], ["up"], ["api"], ["worker"]):
+        out = subprocess.run([sys.executable, "-m", "ops.cli", *command, "--help"],
+                             capture_output=True, text=True, check=True).stdout
+        assert "usage: redserve" in out
+    worker_help = subprocess.run([sys.executable, "-m", "ops.cli", "worker", "--help"],
+                                 capture_output=True, text=True, check=True).stdout
+    for option in ("--model", "--device", "--max-running", "--kv-cache-bytes", "--name"):
+        assert option in worker_help
+
+
+def test_api_without_redis_url_refuses_to_start() -> None:
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "api"], capture_output=True,
+                            text=True, env=child_env(None, "rs"), timeout=60)
+    assert result.returncode == 2 and "REDIS_URL" in result.stderr
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
+    tiny_model: Path, how: str
+) -> None:
+    port = free_port()
+    # No REDIS_URL: `up` must start its own Valkey.
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model", str(tiny_model),
+         "--served-model-name", "tiny"],
+        env=child_env(None, "rsup"), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, up.stdout.read().decode() if up.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "redserve up never became healthy"
+            time.sleep(0.25)
+        assert len(_session_members(up.pid)) >= 4  # up, valkey, api, worker
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+        )
+        assert reply.choices[0].finish_reason in ("length", "stop")
+
+        if how == "ctrl-c":
+            os.killpg(up.pid, signal.SIGINT)  # a terminal sends it to the whole group
+        else:
+            up.send_signal(signal.SIGTERM)  # an init system signals the parent only
+        assert up.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while _session_members(up.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _session_members(up.pid) == []
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()

@@ -1,0 +1,24 @@
+"""Redis Cluster: every key of one request, and its replica's wake stream, share one slot."""
+
+from __future__ import annotations
+
+from redis.crc import key_slot
+
+from shared.keys import Keys, new_replica_tag, new_request_id, replica_of
+
+
+def test_request_keys_share_the_replica_slot() -> None:
+    keys = Keys("rs")
+    replica = new_replica_tag()
+    ids = [new_request_id(replica) for _ in range(50)]
+    assert len(set(ids)) == 50
+    slots = {key_slot(keys.wake(replica).encode())}
+    for rid in ids:
+        assert replica_of(rid) == replica
+        for key in (keys.state(rid), keys.out(rid), keys.abort(rid)):
+            slots.add(key_slot(key.encode()))
+    assert len(slots) == 1
+
+
+def test_replicas_get_distinct_tags() -> None:
+    assert len({new_replica_tag() for _ in range(100)}) == 100

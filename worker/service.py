@@ -1,0 +1,240 @@
+"""The worker process: Redis intake, the step loop, heartbeats, shutdown.
+
+Each iteration overlaps Redis with compute: the model runs step N on a thread while the event
+loop publishes step N-1 and reads the abort keys, in one pipeline. An abort seen there is
+applied right after step N, so an aborted request runs at most one more step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import orjson
+import redis.asyncio as aioredis
+import torch
+from redis.exceptions import ResponseError
+from transformers import AutoModelForCausalLM
+
+from shared.keys import WORKER_GROUP, Keys
+from shared.messages import Error, GenerateRequest, RequestState
+from shared.models import ModelInfo
+from shared.redis_conn import RedisClients, connect, stream_reply
+from shared.settings import Settings
+from worker.engine import AdmissionError, Engine, StepOutput
+from worker.model_runner import ModelRunner
+from worker.publisher import Publisher
+
+log = logging.getLogger("redserve.worker")
+
+IDLE_BLOCK_MS = 1000
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def build_engine(info: ModelInfo, settings: Settings) -> Engine:
+    device = pick_device(settings.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype)
+    model.to(device)  # type: ignore[arg-type]
+    return Engine(
+        ModelRunner(model),
+        eos_token_ids=info.eos_token_ids,
+        max_running=settings.max_running,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_model_len=info.max_model_len,
+    )
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, info: ModelInfo, engine: Engine, clients: RedisClients):
+        self.settings = settings
+        self.info = info
+        self.engine = engine
+        self.clients = clients
+        self.keys = Keys(settings.key_prefix)
+        self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
+        self.publisher = Publisher(clients.commands, self.keys, settings)
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        await self._ensure_group()
+        heartbeat = asyncio.create_task(self._heartbeat())
+        log.info("worker %s serving %s on %s", self.name, self.info.name, self.engine.runner.device)
+        try:
+            await self._loop()
+        finally:
+            heartbeat.cancel()
+            await self._shutdown()
+
+    async def _loop(self) -> None:
+        previous: list[StepOutput] = []
+        while not self.stopping.is_set():
+            await self._intake(block=not self.engine.has_work() and not previous)
+            if not self.engine.has_work():
+                if previous:
+                    await self.publisher.publish(previous)
+                    previous = []
+                continue
+            watched = [s.request.id for s in self.engine.running.values()]
+            watched += [s.request.id for s in self.engine.waiting]
+            step = asyncio.create_task(asyncio.to_thread(self.engine.step))
+            try:
+                aborted = await self.publisher.publish(previous, check_aborts=watched)
+            finally:
+                outputs, errors = await self._finish_step(step)
+            dropped = self._apply_aborts(aborted)
+            previous = [o for o in outputs if o.request_id not in aborted] + dropped
+            if errors:
+                await self.publisher.publish([], errors=errors)
+        if previous:
+            await self.publisher.publish(previous)
+
+    async def _finish_step(
+        self, step: asyncio.Task[list[StepOutput]]
+    ) -> tuple[list[StepOutput], list[tuple[str, Error]]]:
+        try:
+            return await step, []
+        except Exception as e:  # a failed forward must not take the worker down
+            log.exception("step failed; ending the requests in it")
+            message = f"worker step failed: {type(e).__name__}: {e}"
+            failed = self.engine.abort_all()
+            return [], [(s.request.id, Error(message)) for s in failed]
+
+    def _apply_aborts(self, aborted: set[str]) -> list[StepOutput]:
+        dropped = []
+        for rid in aborted:
+            seq = self.engine.running.get(rid) or next(
+                (s for s in self.engine.waiting if s.request.id == rid), None
+            )
+            if seq is None or not self.engine.abort(rid):
+                continue
+            dropped.append(
+                StepOutput(rid, seq.num_output, None, "abort", seq.num_prompt, seq.num_output)
+            )
+        return dropped
+
+    async def _intake(self, *, block: bool) -> None:
+        room = self.settings.max_running - self.engine.num_requests
+        if room <= 0:
+            return
+        response = await self.clients.blocking.xreadgroup(
+            WORKER_GROUP, self.name, {self.keys.requests: ">"}, count=room,
+            block=IDLE_BLOCK_MS if block else None,
+        )
+        replies = stream_reply(response)
+        if not replies:
+            return
+        entries = replies[0][1]
+        requests: list[tuple[str, GenerateRequest]] = []
+        for entry_id, fields in entries:
+            eid = entry_id.decode()
+            try:
+                requests.append((eid, GenerateRequest.from_fields(fields)))
+            except ValueError:
+                # The API validates everything it enqueues; a foreign entry has nowhere to
+                # send an error, so drop it.
+                log.error("dropping malformed request entry %s", eid)
+                await self.clients.commands.xack(self.keys.requests, WORKER_GROUP, eid)
+        if requests:
+            await self._admit(requests)
+
+    async def _admit(self, requests: list[tuple[str, GenerateRequest]]) -> None:
+        pipe = self.clients.commands.pipeline(transaction=False)
+        for _, req in requests:
+            pipe.exists(self.keys.abort(req.id))
+        flags = await pipe.execute()
+        now = time.time()
+        outputs: list[StepOutput] = []
+        errors: list[tuple[str, Error]] = []
+        running = self.clients.commands.pipeline(transaction=False)
+        for (entry_id, req), aborted in zip(requests, flags, strict=True):
+            self.publisher.track(req.id, entry_id)
+            if aborted:  # cancelled while queued: never prefilled
+                outputs.append(StepOutput(req.id, 0, None, "abort", len(req.prompt_ids), 0))
+                continue
+            if now > req.deadline:
+                errors.append((req.id, Error("request timed out in the queue", "timeout",
+                                             "queue_timeout")))
+                continue
+            if req.model != self.info.name:
+                errors.append((req.id, Error(f"worker serves {self.info.name!r}, "
+                                             f"not {req.model!r}", "invalid_request_error",
+                                             "model_not_found")))
+                continue
+            try:
+                self.engine.add(req)
+            except AdmissionError as e:
+                errors.append((req.id, Error(str(e), "invalid_request_error", "context_length")))
+                continue
+            state_key = self.keys.state(req.id)
+            running.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": self.name})
+            running.expire(state_key, self.settings.request_ttl_s)
+        if len(running):
+            await running.execute()
+        if outputs or errors:
+            await self.publisher.publish(outputs, errors=errors)
+
+    async def _ensure_group(self) -> None:
+        try:
+            # From id 0: requests enqueued before any worker existed are still served.
+            await self.clients.commands.xgroup_create(
+                self.keys.requests, WORKER_GROUP, id="0", mkstream=True
+            )
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def _heartbeat(self) -> None:
+        key = self.keys.worker(self.name)
+        ttl = self.settings.heartbeat_ttl_s
+        while True:
+            body = {
+                "model": self.info.name,
+                "capacity": self.settings.max_running,
+                "running": len(self.engine.running),
+                "waiting": len(self.engine.waiting),
+                "kv_tokens_free": self.engine.kv.total_tokens - self.engine.kv.used_tokens,
+                "device": str(self.engine.runner.device),
+            }
+            try:
+                await self.clients.commands.set(key, orjson.dumps(body), ex=ttl)
+            except aioredis.RedisError as e:
+                log.warning("heartbeat failed: %s", e)
+            await asyncio.sleep(ttl / 3)
+
+    async def _shutdown(self) -> None:
+        # Every accepted request ends with a terminal entry, even when the worker stops.
+        dropped = self.engine.abort_all()
+        errors = [(s.request.id, Error("worker shut down", "server_error", "worker_shutdown"))
+                  for s in dropped]
+        try:
+            if errors:
+                await self.publisher.publish([], errors=errors)
+            await self.clients.commands.delete(self.keys.worker(self.name))
+        except aioredis.RedisError as e:
+            log.warning("could not publish shutdown: %s", e)
+
+
+async def serve(settings: Settings, info: ModelInfo) -> None:
+    import signal
+
+    engine = await asyncio.to_thread(build_engine, info, settings)
+    assert settings.redis_url is not None
+    clients = connect(settings.redis_url, name="redserve-worker")
+    service = WorkerService(settings, info, engine, clients)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, service.stopping.set)
+    try:
+        await service.run()
+    finally:
+        await clients.close()
