@@ -24,7 +24,7 @@ from shared.redis_conn import RedisClients, StreamEntries, stream_reply
 
 log = logging.getLogger("redserve.api.reader")
 
-READ_COUNT = 64  # entries per stream per read
+READ_COUNT = 64  # most entries per stream per read
 BLOCK_MS = 1000  # upper bound on how long a paused stream waits to be read again
 WAKE_MAXLEN = 64
 
@@ -46,6 +46,7 @@ class ResultReader:
     buffer: int
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by stream key
     _wake_id: bytes | str = "0-0"
+    _count: int = READ_COUNT
     _task: asyncio.Task[None] | None = None
 
     @property
@@ -53,6 +54,7 @@ class ResultReader:
         return self.keys.wake(self.replica)
 
     async def start(self, ttl_s: int) -> None:
+        self._count = min(READ_COUNT, self.buffer // 2)
         # Start reading the wake stream after an entry of our own: every later wake is newer.
         self._wake_id = await self._wake(self.clients.commands, ttl_s)
         self._task = asyncio.create_task(self._run(), name="result-reader")
@@ -87,11 +89,11 @@ class ResultReader:
         while True:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             for sub in self.subscriptions.values():
-                if not sub.ended and sub.queue.qsize() <= self.buffer - READ_COUNT:
+                if not sub.ended and sub.queue.qsize() <= self.buffer - self._count:
                     streams[sub.key] = sub.last_id
             try:
                 response = await self.clients.blocking.xread(
-                    streams, count=READ_COUNT, block=BLOCK_MS
+                    streams, count=self._count, block=BLOCK_MS
                 )
                 backoff = 0.05
             except aioredis.RedisError as e:

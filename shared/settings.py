@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     # Result entries buffered per request in the API before its stream is paused in Redis.
-    per_request_buffer: int = Field(default=256, ge=8)
+    per_request_buffer: int = Field(default=256, ge=16)
 
     # Worker.
     worker_name: str | None = None

@@ -4,6 +4,7 @@ SmolLM2's tokenizer, driven by the official `openai` client and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -146,3 +147,27 @@ def test_request_id_header_and_finished_keys_expire(
     for key in sync_redis.scan_iter(match=f"{tiny_stack.prefix}:*"):
         if key != keys.requests.encode():
             assert sync_redis.ttl(key) > 0, key
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(
+    tiny_stack: Stack, sync_redis: redis.Redis
+) -> None:
+    body = {"model": MODEL, "prompt": "count forever", "max_tokens": 500, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{tiny_stack.base_url}/v1/completions", json=body) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # first token arrived; hang up
+    keys = Keys(tiny_stack.prefix)
+    deadline = time.monotonic() + 10
+    while sync_redis.hget(keys.state(request_id), "state") not in (b"aborted", b"done"):
+        assert time.monotonic() < deadline, "the worker never ended the request"
+        time.sleep(0.05)
+    state = sync_redis.hgetall(keys.state(request_id))
+    assert state[b"state"] == b"aborted" and state[b"finish_reason"] == b"abort"
+    assert int(state[b"completion_tokens"]) < 500
+    entries = sync_redis.xrange(keys.out(request_id))
+    terminal = [f for _, f in entries if f[b"kind"] != b"tokens"]
+    assert len(terminal) == 1 and entries[-1][1][b"finish_reason"] == b"abort"
+    assert sync_redis.ttl(keys.out(request_id)) > 0

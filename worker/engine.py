@@ -77,6 +77,15 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def request_ids(self) -> list[str]:
+        return [*self.running, *(s.request.id for s in self.waiting)]
+
+    def find(self, request_id: str) -> Sequence | None:
+        seq = self.running.get(request_id)
+        if seq is None:
+            seq = next((s for s in self.waiting if s.request.id == request_id), None)
+        return seq
+
     def add(self, request: GenerateRequest) -> None:
         params = request.params
         capacity = min(len(request.prompt_ids) + params.max_tokens, self.max_model_len)

@@ -1,9 +1,12 @@
-"""The per-step Redis round trip: publish every step's tokens and terminal entries and read
-every running request's abort key, all in one pipeline."""
+"""The per-step Redis round trip.
+
+Everything a step produces (tokens, terminal entries, state changes, XACKs) is staged, then
+`flush` sends it together with every running request's abort-key read in one pipeline.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
@@ -28,27 +31,31 @@ class Publisher:
         self.entry_ids: dict[str, str] = {}
         # Requests whose result stream exists already (and so carries its TTL).
         self._streams: set[str] = set()
+        self._pipe = redis.pipeline(transaction=False)
 
     def track(self, request_id: str, entry_id: str) -> None:
         self.entry_ids[request_id] = entry_id
 
-    async def publish(
-        self,
-        outputs: Sequence[StepOutput],
-        errors: Sequence[tuple[str, Error]] = (),
-        check_aborts: Iterable[str] = (),
-    ) -> set[str]:
-        """Publish, end requests, and return which of `check_aborts` have their abort key set."""
-        pipe = self.redis.pipeline(transaction=False)
+    def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
             if out.token is not None:
-                self._xadd(pipe, out.request_id, Tokens(out.index, (out.token,)).to_fields())
+                self._xadd(out.request_id, Tokens(out.index, (out.token,)).to_fields())
             if out.finish is not None:
                 finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens)
-                self._end(pipe, out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
-                          out.completion_tokens)
-        for request_id, error in errors:
-            self._end(pipe, request_id, error.to_fields(), RequestState.ERROR, None)
+                self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
+                          {"completion_tokens": str(out.completion_tokens)})
+
+    def stage_error(self, request_id: str, error: Error) -> None:
+        self._end(request_id, error.to_fields(), RequestState.ERROR, {})
+
+    def stage_running(self, request_id: str, worker: str) -> None:
+        state_key = self.keys.state(request_id)
+        self._pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
+        self._pipe.expire(state_key, self.settings.request_ttl_s)
+
+    async def flush(self, check_aborts: Iterable[str] = ()) -> set[str]:
+        """Send what is staged; return which of `check_aborts` have their abort key set."""
+        pipe, self._pipe = self._pipe, self.redis.pipeline(transaction=False)
         watched = list(check_aborts)
         for request_id in watched:
             pipe.exists(self.keys.abort(request_id))
@@ -58,35 +65,25 @@ class Publisher:
         flags = results[len(results) - len(watched):] if watched else []
         return {rid for rid, flag in zip(watched, flags, strict=True) if flag}
 
-    def _xadd(
-        self, pipe: aioredis.client.Pipeline, request_id: str, fields: dict[str, str]
-    ) -> None:
+    def _xadd(self, request_id: str, fields: dict[str, str]) -> None:
         out_key = self.keys.out(request_id)
-        pipe.xadd(out_key, fields)  # type: ignore[arg-type]
+        self._pipe.xadd(out_key, fields)  # type: ignore[arg-type]
         if request_id not in self._streams:
             self._streams.add(request_id)
-            pipe.expire(out_key, self.settings.request_ttl_s)
+            self._pipe.expire(out_key, self.settings.request_ttl_s)
 
-    def _end(
-        self,
-        pipe: aioredis.client.Pipeline,
-        request_id: str,
-        fields: dict[str, str],
-        state: str,
-        completion_tokens: int | None,
-    ) -> None:
-        self._xadd(pipe, request_id, fields)
+    def _end(self, request_id: str, fields: dict[str, str], state: str,
+             extra: dict[str, str]) -> None:
+        self._xadd(request_id, fields)
+        self._streams.discard(request_id)
         ttl = self.settings.finished_ttl_s
-        pipe.expire(self.keys.out(request_id), ttl)
-        mapping = {"state": state}
+        self._pipe.expire(self.keys.out(request_id), ttl)
+        mapping = {"state": state, **extra}
         if "finish_reason" in fields:
             mapping["finish_reason"] = fields["finish_reason"]
-        if completion_tokens is not None:
-            mapping["completion_tokens"] = str(completion_tokens)
         state_key = self.keys.state(request_id)
-        pipe.hset(state_key, mapping=mapping)  # type: ignore[arg-type]
-        pipe.expire(state_key, ttl)
+        self._pipe.hset(state_key, mapping=mapping)  # type: ignore[arg-type]
+        self._pipe.expire(state_key, ttl)
         entry_id = self.entry_ids.pop(request_id, None)
         if entry_id is not None:
-            pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
-        self._streams.discard(request_id)
+            self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)

@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 from transformers import AutoModelForCausalLM
 
 from shared.keys import WORKER_GROUP, Keys
-from shared.messages import Error, GenerateRequest, RequestState
+from shared.messages import Error, GenerateRequest
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect, stream_reply
 from shared.settings import Settings
@@ -76,66 +76,61 @@ class WorkerService:
             await self._shutdown()
 
     async def _loop(self) -> None:
-        previous: list[StepOutput] = []
         while not self.stopping.is_set():
-            await self._intake(block=not self.engine.has_work() and not previous)
             if not self.engine.has_work():
-                if previous:
-                    await self.publisher.publish(previous)
-                    previous = []
+                await self.publisher.flush()
+                self._admit(await self._read(block=True))
                 continue
-            watched = [s.request.id for s in self.engine.running.values()]
-            watched += [s.request.id for s in self.engine.waiting]
+            watched = self.engine.request_ids()
             step = asyncio.create_task(asyncio.to_thread(self.engine.step))
             try:
-                aborted = await self.publisher.publish(previous, check_aborts=watched)
+                # While the model computes: publish the last step, read abort keys, take in
+                # new requests. None of it makes the model wait.
+                aborted = await self.publisher.flush(check_aborts=watched)
+                new = await self._read(block=False)
             finally:
-                outputs, errors = await self._finish_step(step)
-            dropped = self._apply_aborts(aborted)
-            previous = [o for o in outputs if o.request_id not in aborted] + dropped
-            if errors:
-                await self.publisher.publish([], errors=errors)
-        if previous:
-            await self.publisher.publish(previous)
+                outputs = await self._finish_step(step)
+            self._apply_aborts(aborted, outputs)
+            self._admit(new)
+        await self.publisher.flush()
 
-    async def _finish_step(
-        self, step: asyncio.Task[list[StepOutput]]
-    ) -> tuple[list[StepOutput], list[tuple[str, Error]]]:
+    async def _finish_step(self, step: asyncio.Task[list[StepOutput]]) -> list[StepOutput]:
         try:
-            return await step, []
+            return await step
         except Exception as e:  # a failed forward must not take the worker down
             log.exception("step failed; ending the requests in it")
             message = f"worker step failed: {type(e).__name__}: {e}"
-            failed = self.engine.abort_all()
-            return [], [(s.request.id, Error(message)) for s in failed]
+            for seq in self.engine.abort_all():
+                self.publisher.stage_error(seq.request.id, Error(message))
+            return []
 
-    def _apply_aborts(self, aborted: set[str]) -> list[StepOutput]:
-        dropped = []
+    def _apply_aborts(self, aborted: set[str], outputs: list[StepOutput]) -> None:
+        """Stage the step's outputs, replacing those of aborted requests by one abort entry."""
+        dropped: set[str] = set()
         for rid in aborted:
-            seq = self.engine.running.get(rid) or next(
-                (s for s in self.engine.waiting if s.request.id == rid), None
-            )
-            if seq is None or not self.engine.abort(rid):
-                continue
-            dropped.append(
-                StepOutput(rid, seq.num_output, None, "abort", seq.num_prompt, seq.num_output)
-            )
-        return dropped
+            seq = self.engine.find(rid)
+            if seq is None:
+                continue  # it finished in this very step: its own outputs stand
+            self.engine.abort(rid)
+            dropped.add(rid)
+            self.publisher.stage([StepOutput(rid, seq.num_output, None, "abort",
+                                             seq.num_prompt, seq.num_output)])
+        self.publisher.stage([o for o in outputs if o.request_id not in dropped])
 
-    async def _intake(self, *, block: bool) -> None:
+    async def _read(self, *, block: bool) -> list[tuple[str, GenerateRequest, bool]]:
+        """New requests from the stream, each with whether its abort key is already set."""
         room = self.settings.max_running - self.engine.num_requests
         if room <= 0:
-            return
+            return []
         response = await self.clients.blocking.xreadgroup(
             WORKER_GROUP, self.name, {self.keys.requests: ">"}, count=room,
             block=IDLE_BLOCK_MS if block else None,
         )
         replies = stream_reply(response)
         if not replies:
-            return
-        entries = replies[0][1]
+            return []
         requests: list[tuple[str, GenerateRequest]] = []
-        for entry_id, fields in entries:
+        for entry_id, fields in replies[0][1]:
             eid = entry_id.decode()
             try:
                 requests.append((eid, GenerateRequest.from_fields(fields)))
@@ -144,44 +139,37 @@ class WorkerService:
                 # send an error, so drop it.
                 log.error("dropping malformed request entry %s", eid)
                 await self.clients.commands.xack(self.keys.requests, WORKER_GROUP, eid)
-        if requests:
-            await self._admit(requests)
-
-    async def _admit(self, requests: list[tuple[str, GenerateRequest]]) -> None:
+        if not requests:
+            return []
         pipe = self.clients.commands.pipeline(transaction=False)
         for _, req in requests:
             pipe.exists(self.keys.abort(req.id))
         flags = await pipe.execute()
+        return [(eid, req, bool(f)) for (eid, req), f in zip(requests, flags, strict=True)]
+
+    def _admit(self, requests: list[tuple[str, GenerateRequest, bool]]) -> None:
         now = time.time()
-        outputs: list[StepOutput] = []
-        errors: list[tuple[str, Error]] = []
-        running = self.clients.commands.pipeline(transaction=False)
-        for (entry_id, req), aborted in zip(requests, flags, strict=True):
+        for entry_id, req, aborted in requests:
             self.publisher.track(req.id, entry_id)
+            error: Error | None = None
             if aborted:  # cancelled while queued: never prefilled
-                outputs.append(StepOutput(req.id, 0, None, "abort", len(req.prompt_ids), 0))
+                self.publisher.stage([StepOutput(req.id, 0, None, "abort",
+                                                 len(req.prompt_ids), 0)])
                 continue
             if now > req.deadline:
-                errors.append((req.id, Error("request timed out in the queue", "timeout",
-                                             "queue_timeout")))
-                continue
-            if req.model != self.info.name:
-                errors.append((req.id, Error(f"worker serves {self.info.name!r}, "
-                                             f"not {req.model!r}", "invalid_request_error",
-                                             "model_not_found")))
-                continue
-            try:
-                self.engine.add(req)
-            except AdmissionError as e:
-                errors.append((req.id, Error(str(e), "invalid_request_error", "context_length")))
-                continue
-            state_key = self.keys.state(req.id)
-            running.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": self.name})
-            running.expire(state_key, self.settings.request_ttl_s)
-        if len(running):
-            await running.execute()
-        if outputs or errors:
-            await self.publisher.publish(outputs, errors=errors)
+                error = Error("request timed out in the queue", "timeout", "queue_timeout")
+            elif req.model != self.info.name:
+                error = Error(f"worker serves {self.info.name!r}, not {req.model!r}",
+                              "invalid_request_error", "model_not_found")
+            else:
+                try:
+                    self.engine.add(req)
+                except AdmissionError as e:
+                    error = Error(str(e), "invalid_request_error", "context_length")
+            if error is not None:
+                self.publisher.stage_error(req.id, error)
+            else:
+                self.publisher.stage_running(req.id, self.name)
 
     async def _ensure_group(self) -> None:
         try:
@@ -213,12 +201,12 @@ class WorkerService:
 
     async def _shutdown(self) -> None:
         # Every accepted request ends with a terminal entry, even when the worker stops.
-        dropped = self.engine.abort_all()
-        errors = [(s.request.id, Error("worker shut down", "server_error", "worker_shutdown"))
-                  for s in dropped]
+        for seq in self.engine.abort_all():
+            self.publisher.stage_error(
+                seq.request.id, Error("worker shut down", "server_error", "worker_shutdown")
+            )
         try:
-            if errors:
-                await self.publisher.publish([], errors=errors)
+            await self.publisher.flush()
             await self.clients.commands.delete(self.keys.worker(self.name))
         except aioredis.RedisError as e:
             log.warning("could not publish shutdown: %s", e)
