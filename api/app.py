@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from api import errors
+from api.admission import Admission, QueueLimits
 from api.context import AppContext
+from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.routes import router
 from api.text import TextCodec
 from shared.keys import Keys, new_replica_tag
+from shared.messages import Error
 from shared.models import resolve_model
 from shared.redis_conn import connect
 from shared.settings import Settings
+
+SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -33,12 +39,25 @@ def create_app(settings: Settings) -> FastAPI:
         replica = new_replica_tag()
         keys = Keys(settings.key_prefix)
         clients = connect(redis_url, name=f"redserve-api-{replica}")
-        reader = ResultReader(clients, keys, replica, settings.per_request_buffer)
+        metrics = APIMetrics()
+        reader = ResultReader(clients, keys, replica, settings.per_request_buffer,
+                              settings.slow_client_timeout_s, metrics.slow_clients.inc)
+        admission = Admission(clients.commands, QueueLimits(
+            settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s))
+        ctx = AppContext(settings, keys, info, codec, clients, reader, admission, metrics, replica)
+        metrics.watch(
+            inflight=lambda: len(ctx.live.requests),
+            queues=lambda: len(reader.subscriptions),
+            buffered=lambda: sum(s.queue.qsize() for s in reader.subscriptions.values()),
+        )
         await reader.start(settings.request_ttl_s)
-        app.state.ctx = AppContext(settings, keys, info, codec, clients, reader, replica)
+        app.state.ctx = ctx
         try:
             yield
         finally:
+            # Requests still open here are past the drain: end them, then stop reading.
+            for generation in list(ctx.live.requests.values()):
+                generation.fail(SHUTDOWN_ERROR)
             await reader.stop()
             await clients.close()
 
@@ -46,3 +65,21 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(router)
     return app
+
+
+async def drain(app: FastAPI, grace_s: float) -> None:
+    """Refuse new requests, give open ones `grace_s` to finish, then end the rest with an
+    error (an SSE error event for streams) and give their handlers a moment to send it."""
+    ctx: AppContext = app.state.ctx
+    ctx.live.draining = True
+    try:
+        async with asyncio.timeout(grace_s):
+            await ctx.live.wait_idle()
+        return
+    except TimeoutError:
+        pass
+    for generation in list(ctx.live.requests.values()):
+        generation.fail(SHUTDOWN_ERROR)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(2.0):
+            await ctx.live.wait_idle()

@@ -1,14 +1,15 @@
 """One request's life inside an API replica, owned by one object.
 
-`start` registers the result subscription and enqueues the request; iterating yields result
-entries until the terminal one; `close` runs exactly once however the request ended
-(completion, client gone, error, timeout, shutdown). A request closed before its terminal entry
-gets its abort key set, so the worker stops spending compute on it.
+`start` reserves a queue slot, registers the result subscription and enqueues the request;
+iterating yields result entries until a terminal one; `close` runs exactly once however the
+request ended (completion, client gone, error, timeout, slow client, shutdown). A request closed
+before the worker ended it gets its abort key set, so no compute is spent on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis.asyncio as aioredis
@@ -23,15 +24,29 @@ class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest) -> None:
         self.ctx = ctx
         self.request = request
-        self.finished = False  # nothing more will be read
-        self._terminal_seen = False  # the worker ended the request itself
+        self.outcome: str | None = None  # how it ended, once it has
         self._sub: Subscription | None = None
+        self._started = False  # a worker has answered at least once
+        self._worker_ended = False  # the worker wrote the terminal entry
         self._closed = False
 
     async def start(self) -> None:
         ctx, req = self.ctx, self.request
+        if ctx.live.draining:
+            ctx.metrics.rejected.labels("draining").inc()
+            raise APIError(503, "this replica is shutting down; retry on another",
+                           type="server_error", code="draining", headers={"Retry-After": "1"})
         keys, ttl = ctx.keys, ctx.settings.request_ttl_s
+        try:
+            refused = await ctx.admission.try_enqueue(keys.queued(req.model), req)
+        except aioredis.RedisError as e:
+            raise _unavailable(ctx, e) from e
+        if refused is not None:
+            ctx.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, refused, type="rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": "1"})
         self._sub = ctx.reader.open(req.id)
+        ctx.live.add(self)
         pipe = ctx.clients.commands.pipeline(transaction=False)
         state_key = keys.state(req.id)
         pipe.hset(state_key, mapping={
@@ -40,6 +55,7 @@ class Generation:
             "created": f"{req.created:.3f}",
             "prompt_tokens": str(len(req.prompt_ids)),
             "replica": ctx.replica,
+            "owner": req.owner,
         })
         pipe.expire(state_key, ttl)
         pipe.xadd(keys.requests, req.to_fields(),  # type: ignore[arg-type]
@@ -48,41 +64,80 @@ class Generation:
         try:
             await pipe.execute()
         except aioredis.RedisError as e:
-            self._closed = True
-            ctx.reader.close(self._sub)
-            raise APIError(503, f"request queue unavailable: {e}", type="server_error",
-                           code="redis_unavailable", headers={"Retry-After": "1"}) from e
+            await self.close()
+            raise _unavailable(ctx, e) from e
+
+    def fail(self, error: Error) -> None:
+        """End the request from this side; its client gets `error` next."""
+        if self._sub is not None:
+            self._sub.fail(error)
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> ResultEntry:
-        if self.finished or self._sub is None:
+        sub = self._sub
+        if self.outcome is not None or sub is None:
             raise StopAsyncIteration
-        remaining = self.request.deadline - time.time()
-        try:
-            entry = await asyncio.wait_for(self._sub.queue.get(), timeout=max(remaining, 0.0))
-        except TimeoutError:
-            self.finished = True  # close() will still abort the work
-            return Error("request timed out", "timeout", "request_timeout")
+        while True:
+            waiting_in_queue = not self._started and time.time() < self.request.queue_deadline
+            until = self.request.queue_deadline if waiting_in_queue else self.request.deadline
+            try:
+                entry = await asyncio.wait_for(sub.queue.get(), max(until - time.time(), 0.0))
+                break
+            except TimeoutError:
+                if waiting_in_queue:
+                    if await self._still_queued():
+                        return self._end(Error("no worker took the request before its queue "
+                                               "deadline", "server_error", "queue_timeout"))
+                    self._started = True  # a worker has it: wait for the full deadline
+                    continue
+                return self._end(Error("request timed out", "timeout", "request_timeout"))
+        self._started = True
         if isinstance(entry, Finish | Error):
-            self.finished = True
-            self._terminal_seen = True
+            self._worker_ended = not sub.failed
+            return self._end(entry)
         return entry
+
+    def _end(self, entry: Finish | Error) -> Finish | Error:
+        self.outcome = entry.finish_reason if isinstance(entry, Finish) else entry.code
+        return entry
+
+    async def _still_queued(self) -> bool:
+        state_key = self.ctx.keys.state(self.request.id)
+        try:
+            state = await self.ctx.clients.commands.hget(state_key, "state")
+        except aioredis.RedisError:
+            return True
+        return state in (None, RequestState.QUEUED.encode())
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        ctx = self.ctx
         if self._sub is not None:
-            self.ctx.reader.close(self._sub)
-        if not self._terminal_seen:
+            ctx.reader.close(self._sub)
+        ctx.live.remove(self.request.id)
+        if self.outcome is None:
+            ctx.metrics.disconnects.inc()
+        ctx.metrics.finished.labels(self.outcome or "disconnect").inc()
+        if not self._worker_ended:
+            ctx.metrics.aborts.inc()
             # Shielded: this often runs while the handler is being cancelled.
             await asyncio.shield(self._abort())
 
     async def _abort(self) -> None:
-        key = self.ctx.keys.abort(self.request.id)
-        try:
-            await self.ctx.clients.commands.set(key, "1", ex=self.ctx.settings.request_ttl_s)
-        except aioredis.RedisError:
-            pass  # the request's deadline still ends it on the worker
+        keys, ttl = self.ctx.keys, self.ctx.settings.request_ttl_s
+        pipe = self.ctx.clients.commands.pipeline(transaction=False)
+        pipe.set(keys.abort(self.request.id), "1", ex=ttl)
+        # If no worker took it yet, its queue slot is free from now on.
+        pipe.zrem(keys.queued(self.request.model), self.request.queue_member)
+        with contextlib.suppress(aioredis.RedisError):
+            await pipe.execute()  # if Redis is gone the worker still stops at the deadline
+
+
+def _unavailable(ctx: AppContext, e: Exception) -> APIError:
+    ctx.metrics.rejected.labels("redis_unavailable").inc()
+    return APIError(503, f"request queue unavailable: {e}", type="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "1"})

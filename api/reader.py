@@ -5,7 +5,8 @@ a subscription is removed by whoever opened it, whatever way the request ends).
 New requests wake the blocked XREAD through the replica's wake stream, which shares the
 replica's hash tag, so the whole read stays within one Redis Cluster slot. A request whose
 queue is nearly full is left out of the read until its client catches up: the tokens wait in
-Redis, not in this process.
+Redis, not in this process. A client that stays that far behind for `slow_after_s` is failed
+(and so cancelled by its `Generation`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +38,18 @@ class Subscription:
     key: str
     queue: asyncio.Queue[ResultEntry]
     last_id: bytes | str = "0-0"
-    ended: bool = False  # the terminal entry has been routed
+    ended: bool = False  # a terminal entry has been routed
+    failed: bool = False  # ...and it came from this replica, not from a worker
+    paused_since: float | None = None
+
+    def fail(self, error: Error) -> None:
+        """End the request here: drop what is buffered, deliver `error` next."""
+        if self.ended:
+            return
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(error)
+        self.ended = self.failed = True
 
 
 @dataclass
@@ -44,6 +58,8 @@ class ResultReader:
     keys: Keys
     replica: str
     buffer: int
+    slow_after_s: float
+    on_slow_client: Callable[[], None] = lambda: None
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by stream key
     _wake_id: bytes | str = "0-0"
     _count: int = READ_COUNT
@@ -88,9 +104,20 @@ class ResultReader:
         backoff = 0.05
         while True:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
-            for sub in self.subscriptions.values():
-                if not sub.ended and sub.queue.qsize() <= self.buffer - self._count:
+            now = time.monotonic()
+            for sub in list(self.subscriptions.values()):
+                if sub.ended:
+                    continue
+                if sub.queue.qsize() <= self.buffer - self._count:
+                    sub.paused_since = None
                     streams[sub.key] = sub.last_id
+                elif sub.paused_since is None:
+                    sub.paused_since = now
+                elif now - sub.paused_since > self.slow_after_s:
+                    sub.fail(Error(f"client read too slowly: {self.buffer} results were waiting "
+                                   f"for over {self.slow_after_s:g}s", "server_error",
+                                   "client_too_slow"))
+                    self.on_slow_client()
             try:
                 response = await self.clients.blocking.xread(
                     streams, count=self._count, block=BLOCK_MS

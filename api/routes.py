@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
@@ -19,7 +21,14 @@ from api.generation import Generation
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import Kind, ResponseFormat, json_response, usage
 from shared.keys import new_request_id
-from shared.messages import Error, Finish, GenerateRequest, SamplingParams, Tokens
+from shared.messages import (
+    Error,
+    Finish,
+    GenerateRequest,
+    RequestState,
+    SamplingParams,
+    Tokens,
+)
 
 router = APIRouter()
 
@@ -29,6 +38,7 @@ _ERROR_STATUS = {
     "model_not_found": 404,
     "queue_timeout": 503,
     "worker_shutdown": 503,
+    "server_shutdown": 503,
     "request_timeout": 504,
 }
 
@@ -40,11 +50,49 @@ def _ctx(request: Request) -> AppContext:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """Liveness: the process answers and reaches Redis."""
     try:
         await _ctx(request).clients.commands.ping()
     except Exception as e:
         return json_response({"status": "unavailable", "redis": str(e)}, status_code=503)
     return json_response({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: false while draining, so load balancers stop sending new requests."""
+    if _ctx(request).live.draining:
+        return json_response({"status": "draining"}, status_code=503)
+    return await health(request)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_ctx(request).metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/requests/{request_id}/cancel")
+@router.delete("/v1/requests/{request_id}")
+async def cancel(request_id: str, request: Request) -> Response:
+    """Cancel a request by id, from any replica. Only its owner (same API key) may."""
+    ctx = _ctx(request)
+    try:
+        state_key = ctx.keys.state(request_id)
+    except ValueError:
+        raise APIError(404, f"no request {request_id!r}", param="request_id",
+                       code="not_found") from None
+    state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
+    if not state or state.get(b"owner", b"").decode() != _owner(request):
+        # Someone else's request looks exactly like a missing one.
+        raise APIError(404, f"no request {request_id!r}", param="request_id", code="not_found")
+    current = state[b"state"].decode()
+    cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
+    if cancelled:
+        await ctx.clients.commands.set(ctx.keys.abort(request_id), "1",
+                                       ex=ctx.settings.request_ttl_s)
+    return json_response({"id": request_id, "object": "request", "state": current,
+                          "cancelled": cancelled})
 
 
 @router.get("/v1/models")
@@ -138,6 +186,7 @@ async def _generate(
             ignore_eos=body.ignore_eos,
         ),
         created=now,
+        queue_deadline=now + ctx.settings.queue_timeout_s,
         deadline=now + ctx.settings.request_timeout_s,
         owner=_owner(request),
         trace_id=request.headers.get("x-trace-id", ""),
@@ -156,10 +205,33 @@ async def _generate(
             background=BackgroundTask(generation.close),
         )
     try:
-        reply = await _collect(ctx, generation, fmt)
+        reply = await _collect_unless_disconnected(ctx, request, generation, fmt)
     finally:
         await generation.close()
     return json_response(reply, headers=headers)
+
+
+async def _collect_unless_disconnected(
+    ctx: AppContext, request: Request, generation: Generation, fmt: ResponseFormat
+) -> dict[str, Any]:
+    """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
+    while collecting, and stop (close() then aborts the work) as soon as it comes."""
+    collect = asyncio.create_task(_collect(ctx, generation, fmt))
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+    if collect.cancelled():
+        return {}  # nobody is listening for this reply
+    return collect.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(payload: dict[str, Any] | str) -> ServerSentEvent:

@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     _worker_options(worker)
     worker.add_argument("--name", dest="worker_name", help="consumer name in the group "
                         "(default host-pid) [env REDSERVE_WORKER_NAME]")
+    worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this "
+                        "port (default off) [env REDSERVE_METRICS_PORT]")
     return top
 
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         run_api(_settings(args, "host", "port", "model", "served_model_name"))
     elif args.command == "worker":
         run_worker(_settings(args, "model", "served_model_name", "device", "max_running",
-                             "kv_cache_bytes", "worker_name"))
+                             "kv_cache_bytes", "worker_name", "metrics_port"))
     else:
         sys.exit(run_up(args))
 
@@ -101,13 +103,10 @@ def _require_redis(settings: Settings) -> None:
 
 
 def run_api(settings: Settings) -> None:
-    import uvicorn
-
-    from api.app import create_app
+    from api.server import run
 
     _require_redis(settings)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="info", timeout_graceful_shutdown=10)
+    run(settings)
 
 
 def run_worker(settings: Settings) -> None:

@@ -6,6 +6,7 @@ Redis Cluster slot (its single multiplexed XREAD is legal there), and any replic
 request's keys from its id alone.
 
     {prefix}:requests                      stream, consumer group `workers`   (trimmed)
+    {prefix}:queued:<model>                sorted set of requests no worker took yet (TTL)
     {prefix}:{<replica>}:<id>              hash: state, worker, counts        (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel                      (TTL)
@@ -44,6 +45,9 @@ class Keys:
     @property
     def requests(self) -> str:
         return f"{self.prefix}:requests"
+
+    def queued(self, model: str) -> str:
+        return f"{self.prefix}:queued:{model}"
 
     def _base(self, request_id: str) -> str:
         return f"{self.prefix}:{{{replica_of(request_id)}}}:{request_id}"

@@ -40,12 +40,18 @@ class GenerateRequest(BaseModel):
     prompt_ids: tuple[int, ...] = Field(min_length=1)
     params: SamplingParams
     created: float
+    queue_deadline: float  # unix time after which, if no worker took it, it ends untouched
     deadline: float  # unix time after which the request ends with an error entry
     owner: str = ""  # hash of the caller's API key, for owner-only calls
     trace_id: str = ""
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "body": self.model_dump_json()}
+
+    @property
+    def queue_member(self) -> str:
+        """Its member in the model's queued set: the id and the prompt size it reserves."""
+        return f"{self.id}:{len(self.prompt_ids)}"
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> GenerateRequest:

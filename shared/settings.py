@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     finished_ttl_s: int = Field(default=300, ge=1)
     # A request not finished this long after it was accepted ends with an error entry.
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # A request no worker has taken this long after it was accepted ends with "queue timeout".
+    queue_timeout_s: float = Field(default=60.0, gt=0)
+    # The bounded queue, per model: past either bound new requests get 429.
+    max_queued_requests: int = Field(default=256, ge=1)
+    max_queued_tokens: int = Field(default=1_000_000, ge=1)
     # Entries kept in the request stream (approximate trim): far above any sane backlog.
     request_stream_maxlen: int = Field(default=100_000, ge=100)
 
@@ -40,6 +45,11 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Result entries buffered per request in the API before its stream is paused in Redis.
     per_request_buffer: int = Field(default=256, ge=16)
+    # A client whose buffer stays full this long is cancelled.
+    slow_client_timeout_s: float = Field(default=30.0, gt=0)
+    # SIGTERM: how long open requests may finish before they are ended (API) or handed back
+    # (worker). Keep it under the pod's terminationGracePeriodSeconds.
+    drain_grace_s: float = Field(default=20.0, ge=0)
 
     # Worker.
     worker_name: str | None = None
@@ -50,3 +60,8 @@ class Settings(BaseSettings):
     # KV cache budget, in bytes.
     kv_cache_bytes: int = Field(default=2 * 1024**3, ge=1024**2)
     heartbeat_ttl_s: int = Field(default=10, ge=2)
+    # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Fault injection for chaos tests: a step whose batch holds a prompt containing this token
+    # id raises, as a model failure would. Never set in production.
+    fault_token_id: int | None = None

@@ -23,7 +23,8 @@ from worker.model_runner import ModelRunner
 def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> GenerateRequest:
     params.setdefault("temperature", 0.0)  # greedy unless a test samples
     return GenerateRequest(
-        id=f"t-{i}", model="m", prompt_ids=tuple(prompt), created=0.0, deadline=0.0,
+        id=f"t-{i}", model="m", prompt_ids=tuple(prompt), created=0.0, queue_deadline=0.0,
+        deadline=0.0,
         params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
     )
 

@@ -124,12 +124,17 @@ class Engine:
         self._release(seq)
         return True
 
-    def abort_all(self) -> list[Sequence]:
-        dropped = list(self.waiting) + list(self.running.values())
-        for seq in self.running.values():
+    def drop_running(self) -> list[Sequence]:
+        """Remove every running request (after a failed step) and free its KV."""
+        dropped = list(self.running.values())
+        for seq in dropped:
             self._release(seq)
-        self.waiting.clear()
         self.running.clear()
+        return dropped
+
+    def drop_waiting(self) -> list[Sequence]:
+        dropped = list(self.waiting)
+        self.waiting.clear()
         return dropped
 
     def step(self) -> list[StepOutput]:

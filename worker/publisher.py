@@ -6,12 +6,12 @@ Everything a step produces (tokens, terminal entries, state changes, XACKs) is s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
 from shared.keys import WORKER_GROUP, Keys
-from shared.messages import Error, Finish, RequestState, Tokens
+from shared.messages import Error, Finish, GenerateRequest, RequestState, Tokens
 from shared.settings import Settings
 from worker.engine import StepOutput
 
@@ -23,8 +23,15 @@ _FINAL_STATE = {
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        on_end: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
         self.redis = redis
+        self.on_end = on_end
         self.keys = keys
         self.settings = settings
         # request id -> its entry id in the request stream, XACKed once the request ends.
@@ -33,8 +40,18 @@ class Publisher:
         self._streams: set[str] = set()
         self._pipe = redis.pipeline(transaction=False)
 
-    def track(self, request_id: str, entry_id: str) -> None:
-        self.entry_ids[request_id] = entry_id
+    def take(self, request: GenerateRequest, entry_id: str) -> None:
+        """A request read from the stream: remember its entry, free its queue slot."""
+        self.entry_ids[request.id] = entry_id
+        self._pipe.zrem(self.keys.queued(request.model), request.queue_member)
+
+    def stage_hand_back(self, request: GenerateRequest) -> None:
+        """Return a request no step has touched to the stream, for another worker."""
+        entry_id = self.entry_ids.pop(request.id)
+        self._pipe.xadd(self.keys.requests, request.to_fields(),  # type: ignore[arg-type]
+                        maxlen=self.settings.request_stream_maxlen, approximate=True)
+        self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
+        self._pipe.hset(self.keys.state(request.id), "state", RequestState.QUEUED)
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
@@ -74,6 +91,7 @@ class Publisher:
 
     def _end(self, request_id: str, fields: dict[str, str], state: str,
              extra: dict[str, str]) -> None:
+        self.on_end(fields.get("finish_reason") or fields["code"])
         self._xadd(request_id, fields)
         self._streams.discard(request_id)
         ttl = self.settings.finished_ttl_s

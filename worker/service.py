@@ -1,8 +1,9 @@
-"""The worker process: Redis intake, the step loop, heartbeats, shutdown.
+"""The worker process: Redis intake, the step loop, heartbeats, drain and shutdown.
 
 Each iteration overlaps Redis with compute: the model runs step N on a thread while the event
-loop publishes step N-1 and reads the abort keys, in one pipeline. An abort seen there is
-applied right after step N, so an aborted request runs at most one more step.
+loop publishes step N-1, reads the abort keys and takes in new requests, all staged into one
+pipeline (see `worker.publisher`). An abort seen there is applied right after step N, so an
+aborted request runs at most one more step.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
 
@@ -25,6 +27,7 @@ from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect, stream_reply
 from shared.settings import Settings
 from worker.engine import AdmissionError, Engine, StepOutput
+from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
 
@@ -62,7 +65,11 @@ class WorkerService:
         self.clients = clients
         self.keys = Keys(settings.key_prefix)
         self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-        self.publisher = Publisher(clients.commands, self.keys, settings)
+        self.metrics = WorkerMetrics(engine)
+        self.publisher = Publisher(
+            clients.commands, self.keys, settings,
+            on_end=lambda outcome: self.metrics.finished.labels(outcome).inc(),
+        )
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
@@ -70,39 +77,65 @@ class WorkerService:
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info("worker %s serving %s on %s", self.name, self.info.name, self.engine.runner.device)
         try:
-            await self._loop()
+            await self._serve()
+            await self._drain()
         finally:
             heartbeat.cancel()
             await self._shutdown()
 
-    async def _loop(self) -> None:
+    async def _serve(self) -> None:
         while not self.stopping.is_set():
             if not self.engine.has_work():
                 await self.publisher.flush()
                 self._admit(await self._read(block=True))
                 continue
-            watched = self.engine.request_ids()
-            step = asyncio.create_task(asyncio.to_thread(self.engine.step))
-            try:
-                # While the model computes: publish the last step, read abort keys, take in
-                # new requests. None of it makes the model wait.
-                aborted = await self.publisher.flush(check_aborts=watched)
-                new = await self._read(block=False)
-            finally:
-                outputs = await self._finish_step(step)
-            self._apply_aborts(aborted, outputs)
-            self._admit(new)
+            self._admit(await self._step(read=True))
+
+    async def _drain(self) -> None:
+        """Stop taking requests; hand back those not started; let running ones finish."""
+        for seq in self.engine.drop_waiting():
+            self.publisher.stage_hand_back(seq.request)
+            self.metrics.handed_back.inc()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_grace_s
+        while self.engine.running and loop.time() < deadline:
+            await self._step(read=False)
         await self.publisher.flush()
+
+    async def _step(self, *, read: bool) -> list[tuple[str, GenerateRequest, bool]]:
+        watched = self.engine.request_ids()
+        step = asyncio.create_task(asyncio.to_thread(self._compute))
+        new: list[tuple[str, GenerateRequest, bool]] = []
+        try:
+            # While the model computes: publish the last step, read abort keys, take in new
+            # requests. None of it makes the model wait.
+            aborted = await self.publisher.flush(check_aborts=watched)
+            if read:
+                new = await self._read(block=False)
+        finally:
+            outputs = await self._finish_step(step)
+        self._apply_aborts(aborted, outputs)
+        return new
+
+    def _compute(self) -> list[StepOutput]:
+        fault = self.settings.fault_token_id
+        if fault is not None and any(fault in s.request.prompt_ids
+                                     for s in self.engine.running.values()):
+            raise RuntimeError(f"injected fault (prompt token {fault})")
+        return self.engine.step()
 
     async def _finish_step(self, step: asyncio.Task[list[StepOutput]]) -> list[StepOutput]:
         try:
-            return await step
+            outputs = await step
         except Exception as e:  # a failed forward must not take the worker down
             log.exception("step failed; ending the requests in it")
+            self.metrics.step_failures.inc()
             message = f"worker step failed: {type(e).__name__}: {e}"
-            for seq in self.engine.abort_all():
+            for seq in self.engine.drop_running():
                 self.publisher.stage_error(seq.request.id, Error(message))
             return []
+        self.metrics.steps.inc()
+        return outputs
 
     def _apply_aborts(self, aborted: set[str], outputs: list[StepOutput]) -> None:
         """Stage the step's outputs, replacing those of aborted requests by one abort entry."""
@@ -150,14 +183,15 @@ class WorkerService:
     def _admit(self, requests: list[tuple[str, GenerateRequest, bool]]) -> None:
         now = time.time()
         for entry_id, req, aborted in requests:
-            self.publisher.track(req.id, entry_id)
+            self.publisher.take(req, entry_id)
             error: Error | None = None
             if aborted:  # cancelled while queued: never prefilled
                 self.publisher.stage([StepOutput(req.id, 0, None, "abort",
                                                  len(req.prompt_ids), 0)])
                 continue
-            if now > req.deadline:
-                error = Error("request timed out in the queue", "timeout", "queue_timeout")
+            if now > req.queue_deadline:
+                error = Error("no worker took the request before its queue deadline",
+                              "server_error", "queue_timeout")
             elif req.model != self.info.name:
                 error = Error(f"worker serves {self.info.name!r}, not {req.model!r}",
                               "invalid_request_error", "model_not_found")
@@ -192,6 +226,7 @@ class WorkerService:
                 "waiting": len(self.engine.waiting),
                 "kv_tokens_free": self.engine.kv.total_tokens - self.engine.kv.used_tokens,
                 "device": str(self.engine.runner.device),
+                "draining": self.stopping.is_set(),
             }
             try:
                 await self.clients.commands.set(key, orjson.dumps(body), ex=ttl)
@@ -200,11 +235,11 @@ class WorkerService:
             await asyncio.sleep(ttl / 3)
 
     async def _shutdown(self) -> None:
-        # Every accepted request ends with a terminal entry, even when the worker stops.
-        for seq in self.engine.abort_all():
-            self.publisher.stage_error(
-                seq.request.id, Error("worker shut down", "server_error", "worker_shutdown")
-            )
+        # Past the grace period: every request still here ends with a terminal entry.
+        shutdown = Error("worker shut down before the request finished", "server_error",
+                         "worker_shutdown")
+        for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
+            self.publisher.stage_error(seq.request.id, shutdown)
         try:
             await self.publisher.flush()
             await self.clients.commands.delete(self.keys.worker(self.name))
@@ -213,12 +248,12 @@ class WorkerService:
 
 
 async def serve(settings: Settings, info: ModelInfo) -> None:
-    import signal
-
     engine = await asyncio.to_thread(build_engine, info, settings)
     assert settings.redis_url is not None
     clients = connect(settings.redis_url, name="redserve-worker")
     service = WorkerService(settings, info, engine, clients)
+    if settings.metrics_port:
+        service.metrics.serve(settings.metrics_port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.stopping.set)

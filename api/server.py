@@ -1,0 +1,40 @@
+"""uvicorn with a drain: the first SIGTERM/SIGINT drains (see `api.app.drain`) before uvicorn's
+own shutdown; a second one stops at once."""
+
+from __future__ import annotations
+
+import asyncio
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from api.app import create_app, drain
+from shared.settings import Settings
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.grace_s = grace_s
+        self._draining: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = asyncio.get_event_loop().create_task(self._drain_then_exit(sig, frame))
+
+    async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        try:
+            await drain(self.app, self.grace_s)
+        finally:
+            super().handle_exit(sig, frame)
+
+
+def run(settings: Settings) -> None:
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app, settings.drain_grace_s).run()
