@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.admission import Admission, QueueLimits
-from api.context import AppContext
+from api.context import AppContext, Live
 from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.routes import router
@@ -40,11 +40,23 @@ def create_app(settings: Settings) -> FastAPI:
         keys = Keys(settings.key_prefix)
         clients = connect(redis_url, name=f"redserve-api-{replica}")
         metrics = APIMetrics()
+        live = Live()
+
+        def on_slow_client(request_id: str) -> None:
+            generation = live.requests.get(request_id)
+            if generation is not None:
+                metrics.slow_clients.inc()
+                generation.fail(Error(
+                    f"the client read too slowly: its {settings.per_request_buffer} buffered "
+                    f"results waited over {settings.slow_client_timeout_s:g}s",
+                    "server_error", "client_too_slow"))
+
         reader = ResultReader(clients, keys, replica, settings.per_request_buffer,
-                              settings.slow_client_timeout_s, metrics.slow_clients.inc)
+                              settings.slow_client_timeout_s, on_slow_client)
         admission = Admission(clients.commands, QueueLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s))
-        ctx = AppContext(settings, keys, info, codec, clients, reader, admission, metrics, replica)
+        ctx = AppContext(settings, keys, info, codec, clients, reader, admission, metrics, replica,
+                         live)
         metrics.watch(
             inflight=lambda: len(ctx.live.requests),
             queues=lambda: len(reader.subscriptions),

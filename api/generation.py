@@ -28,6 +28,7 @@ class Generation:
         self._sub: Subscription | None = None
         self._started = False  # a worker has answered at least once
         self._worker_ended = False  # the worker wrote the terminal entry
+        self._aborting: asyncio.Task[None] | None = None
         self._closed = False
 
     async def start(self) -> None:
@@ -68,9 +69,12 @@ class Generation:
             raise _unavailable(ctx, e) from e
 
     def fail(self, error: Error) -> None:
-        """End the request from this side; its client gets `error` next."""
-        if self._sub is not None:
-            self._sub.fail(error)
+        """End the request from this side: its client gets `error` next, and the worker is
+        told now, not once the client gets round to reading (it may be stuck behind)."""
+        if self._sub is None or self._sub.ended:
+            return
+        self._sub.fail(error)
+        self._aborting = asyncio.create_task(self._abort())
 
     def __aiter__(self) -> Generation:
         return self
@@ -123,11 +127,13 @@ class Generation:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished.labels(self.outcome or "disconnect").inc()
         if not self._worker_ended:
-            ctx.metrics.aborts.inc()
+            if self._aborting is None:
+                self._aborting = asyncio.create_task(self._abort())
             # Shielded: this often runs while the handler is being cancelled.
-            await asyncio.shield(self._abort())
+            await asyncio.shield(self._aborting)
 
     async def _abort(self) -> None:
+        self.ctx.metrics.aborts.inc()
         keys, ttl = self.ctx.keys, self.ctx.settings.request_ttl_s
         pipe = self.ctx.clients.commands.pipeline(transaction=False)
         pipe.set(keys.abort(self.request.id), "1", ex=ttl)

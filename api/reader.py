@@ -5,8 +5,8 @@ a subscription is removed by whoever opened it, whatever way the request ends).
 New requests wake the blocked XREAD through the replica's wake stream, which shares the
 replica's hash tag, so the whole read stays within one Redis Cluster slot. A request whose
 queue is nearly full is left out of the read until its client catches up: the tokens wait in
-Redis, not in this process. A client that stays that far behind for `slow_after_s` is failed
-(and so cancelled by its `Generation`).
+Redis, not in this process. A client that stays that far behind for `slow_after_s` is reported
+through `on_slow_client`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from shared.redis_conn import RedisClients, StreamEntries, stream_reply
 log = logging.getLogger("redserve.api.reader")
 
 READ_COUNT = 64  # most entries per stream per read
-BLOCK_MS = 1000  # upper bound on how long a paused stream waits to be read again
+BLOCK_MS = 1000
+# While some client is behind, read with a short block so its stream resumes promptly once it
+# catches up (a blocked XREAD would otherwise hold the stream paused for up to BLOCK_MS).
+PAUSED_BLOCK_MS = 20
 WAKE_MAXLEN = 64
 
 
@@ -59,7 +62,7 @@ class ResultReader:
     replica: str
     buffer: int
     slow_after_s: float
-    on_slow_client: Callable[[], None] = lambda: None
+    on_slow_client: Callable[[str], None] = lambda request_id: None
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by stream key
     _wake_id: bytes | str = "0-0"
     _count: int = READ_COUNT
@@ -105,22 +108,23 @@ class ResultReader:
         while True:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             now = time.monotonic()
+            block = BLOCK_MS
             for sub in list(self.subscriptions.values()):
                 if sub.ended:
                     continue
                 if sub.queue.qsize() <= self.buffer - self._count:
                     sub.paused_since = None
                     streams[sub.key] = sub.last_id
-                elif sub.paused_since is None:
+                    continue
+                block = PAUSED_BLOCK_MS
+                if sub.paused_since is None:
                     sub.paused_since = now
                 elif now - sub.paused_since > self.slow_after_s:
-                    sub.fail(Error(f"client read too slowly: {self.buffer} results were waiting "
-                                   f"for over {self.slow_after_s:g}s", "server_error",
-                                   "client_too_slow"))
-                    self.on_slow_client()
+                    sub.paused_since = None
+                    self.on_slow_client(sub.request_id)
             try:
                 response = await self.clients.blocking.xread(
-                    streams, count=self._count, block=BLOCK_MS
+                    streams, count=self._count, block=block
                 )
                 backoff = 0.05
             except aioredis.RedisError as e:

@@ -1,5 +1,6 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT drains (see `api.app.drain`) before uvicorn's
-own shutdown; a second one stops at once."""
+own shutdown and the process exits 0, as a completed drain should; a second signal stops at
+once, the way uvicorn does."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ class DrainingServer(uvicorn.Server):
         try:
             await drain(self.app, self.grace_s)
         finally:
-            super().handle_exit(sig, frame)
+            # Not super().handle_exit: uvicorn would re-raise the signal after shutting down,
+            # and a drained replica exits 0.
+            self.should_exit = True
 
 
 def run(settings: Settings) -> None:

@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     # Prompt tokens prefilled in one step (a lone prompt longer than this still runs alone).
     max_prefill_tokens: int = Field(default=2048, ge=16)
     # KV cache budget, in bytes.
-    kv_cache_bytes: int = Field(default=2 * 1024**3, ge=1024**2)
+    kv_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     heartbeat_ttl_s: int = Field(default=10, ge=2)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)

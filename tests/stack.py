@@ -8,12 +8,16 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from ops.embedded_redis import free_port
+from shared.keys import Keys
+from shared.messages import GenerateRequest
 
 
 def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:
@@ -54,13 +58,44 @@ class Stack:
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             ))
 
+    @property
+    def api_proc(self) -> subprocess.Popen[bytes]:
+        assert self.api
+        return self.procs[self.workers]
+
+    def worker_proc(self, i: int = 0) -> subprocess.Popen[bytes]:
+        return self.procs[i]
+
+    def metrics(self, url: str) -> dict[str, float]:
+        """Prometheus text at `url` as {sample name with labels: value}."""
+        out = {}
+        for line in httpx.get(url, timeout=5).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
     def start(self, timeout: float = 120.0) -> Stack:
         for _ in range(self.workers):
             self._spawn("worker")
         if self.api:
             self._spawn("api", "--host", "127.0.0.1", "--port", str(self.port))
             self.wait_http(timeout)
+        else:
+            self.wait_workers(timeout)
         return self
+
+    def wait_workers(self, timeout: float) -> None:
+        """Until every worker has announced itself with a heartbeat."""
+        r = redis.Redis.from_url(self.redis_url)
+        try:
+            ok = eventually(
+                lambda: len(list(r.scan_iter(match=f"{self.prefix}:worker:*"))) >= self.workers
+                or any(p.poll() is not None for p in self.procs), timeout)
+        finally:
+            r.close()
+        if not ok or any(p.poll() is not None for p in self.procs):
+            raise RuntimeError(f"workers did not start:\n{self.output()}")
 
     def wait_http(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -91,3 +126,24 @@ class Stack:
                 p.wait()
         for log in self.logs:
             log.unlink(missing_ok=True)
+
+
+def queued_requests(r: redis.Redis, keys: Keys, n: int, timeout: float = 10.0
+                    ) -> list[GenerateRequest]:
+    """The first `n` requests on the request stream (the test playing the worker)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entries = r.xrange(keys.requests)
+        if len(entries) >= n:
+            return [GenerateRequest.from_fields(fields) for _, fields in entries]
+        time.sleep(0.02)
+    raise TimeoutError(f"expected {n} queued requests")
+
+
+def eventually(check: Callable[[], object], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

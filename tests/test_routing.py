@@ -7,8 +7,7 @@ while everything else is real: uvicorn on a port, Redis, the replica's single XR
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,8 +17,8 @@ import redis
 from transformers import AutoTokenizer
 
 from shared.keys import Keys, replica_of
-from shared.messages import Finish, GenerateRequest, Tokens
-from tests.stack import Stack
+from shared.messages import Finish, Tokens
+from tests.stack import Stack, eventually, queued_requests
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +26,6 @@ def api_only(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     stack = Stack(redis_url, tiny_model, served_name="tiny-llama", workers=0).start()
     yield stack
     stack.stop()
-
-
-def _queued(r: redis.Redis, keys: Keys, n: int, timeout: float = 10.0) -> list[GenerateRequest]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        entries = r.xrange(keys.requests)
-        if len(entries) >= n:
-            return [GenerateRequest.from_fields(fields) for _, fields in entries]
-        time.sleep(0.02)
-    raise TimeoutError(f"expected {n} queued requests")
-
-
-def _eventually(check: Callable[[], object], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 async def _stream_text(client: httpx.AsyncClient, content: str) -> tuple[str, list[dict]]:
@@ -73,7 +53,7 @@ async def test_interleaved_results_reach_only_their_own_request(
     async with httpx.AsyncClient(base_url=api_only.base_url, timeout=30) as client:
         task_a = asyncio.create_task(_stream_text(client, "request A"))
         task_b = asyncio.create_task(_stream_text(client, "request B"))
-        queued = await asyncio.to_thread(_queued, sync_redis, keys, 2)
+        queued = await asyncio.to_thread(queued_requests, sync_redis, keys, 2)
         by_prompt = {tokenizer.decode(q.prompt_ids): q for q in queued}
         req_a = next(q for p, q in by_prompt.items() if "request A" in p)
         req_b = next(q for p, q in by_prompt.items() if "request B" in p)
@@ -121,7 +101,7 @@ async def test_client_that_leaves_early_sets_the_abort_key(
                 if line.startswith("data: "):
                     break  # got one event; now hang up without reading the rest
     abort_key = keys.abort(request_id)
-    assert await asyncio.to_thread(_eventually, lambda: sync_redis.exists(abort_key))
+    assert await asyncio.to_thread(eventually, lambda: sync_redis.exists(abort_key))
     assert 0 < sync_redis.ttl(abort_key) <= 3600
-    [queued] = _queued(sync_redis, keys, 1)
+    [queued] = queued_requests(sync_redis, keys, 1)
     assert queued.id == request_id

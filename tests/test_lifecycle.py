@@ -1,0 +1,333 @@
+"""Request lifecycle on the real stack: cancellation, errors, backpressure, drain.
+
+Where the test needs exact control of what a worker does, it plays the worker itself through
+Redis (an API-only stack); everything else is a real worker on the tiny model.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from ops.embedded_redis import free_port
+from shared.keys import Keys
+from shared.messages import Finish, Tokens
+from tests.stack import Stack, eventually, queued_requests
+
+MODEL = "tiny-llama"
+LONG = {"model": MODEL, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
+        "temperature": 0}
+
+
+def _state(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.state(request_id)).items()}
+
+
+def _ended(r: redis.Redis, keys: Keys, request_id: str) -> bool:
+    return _state(r, keys, request_id).get("state") in ("done", "aborted", "error")
+
+
+def _sse(response: httpx.Response) -> Iterator[dict]:
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield orjson.loads(line[6:])
+
+
+@pytest.fixture(scope="module")
+def scripted(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
+    """An API replica with no worker: the test writes the worker's side."""
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0, env={
+        "REDSERVE_QUEUE_TIMEOUT_S": "1", "REDSERVE_REQUEST_TIMEOUT_S": "3",
+        "REDSERVE_MAX_QUEUED_REQUESTS": "3",
+    }).start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def empty_queue(scripted: Stack, sync_redis: redis.Redis) -> Keys:
+    keys = Keys(scripted.prefix)
+    sync_redis.delete(keys.requests, keys.queued(MODEL))
+    return keys
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+def test_non_streaming_client_that_hangs_up_stops_the_work(
+    tiny_stack: Stack, sync_redis: redis.Redis
+) -> None:
+    keys = Keys(tiny_stack.prefix)
+    before = {entry_id for entry_id, _ in sync_redis.xrange(keys.requests)}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_stack.base_url}/v1/completions", json=LONG, timeout=0.3)
+    [fields] = [f for entry_id, f in sync_redis.xrange(keys.requests) if entry_id not in before]
+    request_id = fields[b"id"].decode()
+    assert eventually(lambda: _ended(sync_redis, keys, request_id))
+    state = _state(sync_redis, keys, request_id)
+    assert state["state"] == "aborted" and int(state["completion_tokens"]) < 480
+    assert sync_redis.ttl(keys.abort(request_id)) > 0
+
+
+def test_owner_cancels_by_id_from_any_replica(tiny_stack: Stack, sync_redis: redis.Redis) -> None:
+    owner = {"Authorization": "Bearer alice"}
+    url = tiny_stack.base_url
+    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+                      headers=owner, timeout=30) as response:
+        request_id = response.headers["x-request-id"]
+        events = _sse(response)
+        next(events)
+        # Someone else cannot see it, let alone cancel it.
+        stranger = httpx.post(f"{url}/v1/requests/{request_id}/cancel",
+                              headers={"Authorization": "Bearer mallory"})
+        assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "not_found"
+        cancelled = httpx.post(f"{url}/v1/requests/{request_id}/cancel", headers=owner)
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+        rest = list(events)
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    assert len(rest) < 480
+    again = httpx.delete(f"{url}/v1/requests/{request_id}", headers=owner)
+    assert again.json() == {"id": request_id, "object": "request", "state": "aborted",
+                            "cancelled": False}
+    assert httpx.delete(f"{url}/v1/requests/nonsense", headers=owner).status_code == 404
+
+
+def test_cancelled_before_any_worker_took_it_is_never_prefilled(
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis, redis_url: str,
+    tiny_model: Path,
+) -> None:
+    keys = empty_queue
+    result: dict[str, object] = {}
+
+    def client() -> None:
+        with httpx.stream("POST", f"{scripted.base_url}/v1/completions",
+                          json={**LONG, "stream": True}, timeout=30) as response:
+            result["id"] = response.headers["x-request-id"]
+            result["events"] = list(_sse(response))
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    [request] = queued_requests(sync_redis, keys, 1)
+    assert httpx.post(f"{scripted.base_url}/v1/requests/{request.id}/cancel").json()["cancelled"]
+    thread.join(10)
+    # The client was answered at once and its queue slot freed.
+    assert not thread.is_alive()
+    assert sync_redis.zcard(keys.queued(MODEL)) == 0
+    # A worker that arrives later drops it at intake, without a single step.
+    metrics_port = free_port()
+    worker = Stack(redis_url, tiny_model, served_name=MODEL, api=False, prefix=scripted.prefix,
+                   env={"REDSERVE_METRICS_PORT": str(metrics_port)}).start()
+    try:
+        assert eventually(lambda: _ended(sync_redis, keys, request.id), 60)
+        entries = sync_redis.xrange(keys.out(request.id))
+        assert [f[b"kind"] for _, f in entries] == [b"finish"]
+        assert entries[0][1][b"finish_reason"] == b"abort"
+        assert entries[0][1][b"completion_tokens"] == b"0"
+        steps = worker.metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert steps["redserve_worker_steps_total"] == 0
+    finally:
+        worker.stop()
+
+
+# --- deadlines and the bounded queue ---------------------------------------------------------
+
+def test_full_queue_answers_429_before_enqueueing(
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    threads = [threading.Thread(target=httpx.post, args=(f"{scripted.base_url}/v1/completions",),
+                                kwargs={"json": body, "timeout": 10}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    queued_requests(sync_redis, empty_queue, 3)
+    refused = httpx.post(f"{scripted.base_url}/v1/completions", json=body)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert sync_redis.xlen(empty_queue.requests) == 3  # the refused one never got in
+    for t in threads:
+        t.join(10)
+
+
+def test_request_no_worker_takes_ends_with_queue_timeout(
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
+) -> None:
+    t0 = time.monotonic()
+    response = httpx.post(f"{scripted.base_url}/v1/completions",
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=10)
+    assert 0.9 < time.monotonic() - t0 < 3
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "queue_timeout"
+    [request] = queued_requests(sync_redis, empty_queue, 1)
+    assert sync_redis.exists(empty_queue.abort(request.id))
+    assert sync_redis.zcard(empty_queue.queued(MODEL)) == 0
+
+
+def test_request_whose_worker_goes_silent_ends_with_timeout(
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
+) -> None:
+    def take_and_go_silent() -> None:
+        [request] = queued_requests(sync_redis, empty_queue, 1)
+        sync_redis.hset(empty_queue.state(request.id), "state", "running")
+
+    thread = threading.Thread(target=take_and_go_silent)
+    thread.start()
+    with httpx.stream("POST", f"{scripted.base_url}/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
+    }) as response:
+        events = list(_sse(response))
+    thread.join()
+    assert events[-1]["error"]["code"] == "request_timeout"
+
+
+# --- slow clients ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_client_that_stays_behind_is_cancelled(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    scripted = Stack(redis_url, tiny_model, served_name=MODEL, workers=0, env={
+        "REDSERVE_PER_REQUEST_BUFFER": "16", "REDSERVE_SLOW_CLIENT_TIMEOUT_S": "1",
+    }).start()
+    try:
+        _fall_behind(scripted, Keys(scripted.prefix), sync_redis)
+    finally:
+        scripted.stop()
+
+
+def _fall_behind(scripted: Stack, keys: Keys, sync_redis: redis.Redis) -> None:
+    # A small receive buffer (which also stops its autotuning) so that the server's writes
+    # block once its own send buffer is full, as with a client on a slow link.
+    transport = httpx.HTTPTransport(
+        socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)])
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 480, "stream": True}
+    with httpx.Client(transport=transport, timeout=60) as client, client.stream(
+            "POST", f"{scripted.base_url}/v1/completions", json=body) as response:
+        request_id = response.headers["x-request-id"]
+        # About 30 MB of SSE: far more than the server's send buffer holds.
+        pipe = sync_redis.pipeline()
+        for i in range(6000):
+            pipe.xadd(keys.out(request_id),
+                      Tokens(i * 64, (46778,) * 64).to_fields())  # type: ignore[arg-type]
+        pipe.xadd(keys.out(request_id), Finish("length", 1, 6000 * 64).to_fields())  # type: ignore[arg-type]
+        pipe.expire(keys.out(request_id), 60)
+        pipe.execute()
+        # Read nothing: fall behind until the replica gives up on this client. (What the
+        # kernel buffers already hold would take long to read through this tiny window; the
+        # SSE error event itself is checked with the injected worker fault below.)
+        assert eventually(lambda: sync_redis.exists(keys.abort(request_id)), 20)
+    assert eventually(
+        lambda: scripted.metrics(f"{scripted.base_url}/metrics")
+        ["redserve_api_inflight_requests"] == 0, 10)
+    metrics = scripted.metrics(f"{scripted.base_url}/metrics")
+    assert metrics["redserve_api_slow_client_cancels_total"] == 1
+    assert metrics["redserve_api_buffered_results"] == 0
+    assert metrics["redserve_api_inflight_requests"] == 0
+
+
+# --- worker errors ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def faulty(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
+    stack = Stack(redis_url, tiny_model, served_name=MODEL,
+                  env={"REDSERVE_FAULT_TOKEN_ID": "777"}).start()
+    yield stack
+    stack.stop()
+
+
+def test_a_failing_step_errors_its_requests_and_the_worker_serves_on(faulty: Stack) -> None:
+    bad = {"model": MODEL, "prompt": [5, 777, 6], "max_tokens": 20}
+    response = httpx.post(f"{faulty.base_url}/v1/completions", json=bad, timeout=30)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "injected fault" in error["message"] and error["type"] == "server_error"
+    with httpx.stream("POST", f"{faulty.base_url}/v1/completions", json={**bad, "stream": True},
+                      timeout=30) as streamed:
+        assert streamed.status_code == 200
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert orjson.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+    assert lines[-1] == "data: [DONE]"
+    good = httpx.post(f"{faulty.base_url}/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": [5, 6], "max_tokens": 5})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] <= 5
+
+
+# --- graceful drain ---------------------------------------------------------------------------
+
+def _api_only(redis_url: str, tiny_model: Path, grace: str) -> Stack:
+    return Stack(redis_url, tiny_model, served_name=MODEL, workers=0,
+                 env={"REDSERVE_DRAIN_GRACE_S": grace}).start()
+
+
+@pytest.mark.parametrize("finishes_in_grace", [True, False])
+def test_sigterm_drains_the_api_replica(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis, finishes_in_grace: bool
+) -> None:
+    stack = _api_only(redis_url, tiny_model, "3" if finishes_in_grace else "1")
+    keys = Keys(stack.prefix)
+    try:
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}
+                          ) as response:
+            request_id = response.headers["x-request-id"]
+            sync_redis.xadd(keys.out(request_id), Tokens(0, (42,)).to_fields())  # type: ignore[arg-type]
+            events = _sse(response)
+            first = next(events)
+            stack.api_proc.send_signal(signal.SIGTERM)
+            assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 503, 3)
+            refused = httpx.post(f"{stack.base_url}/v1/completions",
+                                 json={"model": MODEL, "prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            if finishes_in_grace:
+                sync_redis.xadd(keys.out(request_id), Finish("length", 1, 2).to_fields())  # type: ignore[arg-type]
+            rest = list(events)
+        assert first["choices"][0]["text"]
+        if finishes_in_grace:
+            assert rest[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            assert rest[-1]["error"]["code"] == "server_shutdown"
+            assert sync_redis.exists(keys.abort(request_id))
+        assert stack.api_proc.wait(15) == 0
+    finally:
+        stack.stop()
+
+
+def test_sigterm_lets_the_worker_finish_running_and_hand_back_the_rest(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    # KV for one 500-token request only: the second one waits inside the worker.
+    one_request = str(512 * 600)
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, env={
+        "REDSERVE_KV_CACHE_BYTES": one_request, "REDSERVE_DRAIN_GRACE_S": "30",
+    }).start()
+    replies: dict[int, httpx.Response] = {}
+
+    def ask(i: int) -> None:
+        replies[i] = httpx.post(f"{stack.base_url}/v1/completions", json=LONG, timeout=60)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        stack.worker_proc().send_signal(signal.SIGTERM)
+        assert stack.worker_proc().wait(30) == 0
+        # The waiting request went back on the stream, under the same id.
+        ids = [f[b"id"] for _, f in sync_redis.xrange(Keys(stack.prefix).requests)]
+        assert len(ids) == 3 and ids[2] in ids[:2]
+        # The handed-back request is served by the next worker to come.
+        stack._spawn("worker")
+        for t in threads:
+            t.join(60)
+        assert [replies[i].status_code for i in range(2)] == [200, 200]
+        assert all(replies[i].json()["usage"]["completion_tokens"] == 480 for i in range(2))
+    finally:
+        stack.stop()
