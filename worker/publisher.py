@@ -1,7 +1,8 @@
-"""The per-step Redis round trip.
+"""The worker's Redis writes and abort reads.
 
 Everything a step produces (tokens, terminal entries, state changes, XACKs) is staged, then
-`flush` sends it together with every running request's abort-key read in one pipeline.
+`flush` sends it in one pipeline; `aborted` reads every running request's abort key in one
+more (see `worker.service` for when each runs).
 """
 
 from __future__ import annotations
@@ -70,16 +71,21 @@ class Publisher:
         self._pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
         self._pipe.expire(state_key, self.settings.request_ttl_s)
 
-    async def flush(self, check_aborts: Iterable[str] = ()) -> set[str]:
-        """Send what is staged; return which of `check_aborts` have their abort key set."""
+    async def flush(self) -> None:
+        """Send what is staged, in one pipeline."""
         pipe, self._pipe = self._pipe, self.redis.pipeline(transaction=False)
-        watched = list(check_aborts)
+        if len(pipe):
+            await pipe.execute()
+
+    async def aborted(self, request_ids: Iterable[str]) -> set[str]:
+        """Which of these requests have their abort key set (one pipeline)."""
+        watched = list(request_ids)
+        if not watched:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
         for request_id in watched:
             pipe.exists(self.keys.abort(request_id))
-        if not len(pipe):
-            return set()
-        results = await pipe.execute()
-        flags = results[len(results) - len(watched):] if watched else []
+        flags = await pipe.execute()
         return {rid for rid, flag in zip(watched, flags, strict=True) if flag}
 
     def _xadd(self, request_id: str, fields: dict[str, str]) -> None:

@@ -1,9 +1,10 @@
 """The worker process: Redis intake, the step loop, heartbeats, drain and shutdown.
 
 Each iteration overlaps Redis with compute: the model runs step N on a thread while the event
-loop publishes step N-1, reads the abort keys and takes in new requests, all staged into one
-pipeline (see `worker.publisher`). An abort seen there is applied right after step N, so an
-aborted request runs at most one more step.
+loop publishes step N-1 (one pipeline), takes in new requests, and reads every running request's
+abort key (one more pipeline). The abort read waits until most of step N has passed: an abort
+it sees is applied, and the request's KV freed, as soon as step N ends, so a cancellation takes
+effect within about one step of the abort key being set, and the model never waits on Redis.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from worker.publisher import Publisher
 log = logging.getLogger("redserve.worker")
 
 IDLE_BLOCK_MS = 1000
+# The abort read is issued this far into a step (as a fraction of the recent step time).
+ABORT_CHECK_AT = 0.8
 
 
 def pick_device(setting: str) -> torch.device:
@@ -71,6 +74,7 @@ class WorkerService:
             on_end=lambda outcome: self.metrics.finished.labels(outcome).inc(),
         )
         self.stopping = asyncio.Event()
+        self._step_time = 0.0  # moving average of a step's wall time, in seconds
 
     async def run(self) -> None:
         await self._ensure_group()
@@ -103,17 +107,25 @@ class WorkerService:
         await self.publisher.flush()
 
     async def _step(self, *, read: bool) -> list[tuple[str, GenerateRequest, bool]]:
+        loop = asyncio.get_running_loop()
         watched = self.engine.request_ids()
+        started = loop.time()
         step = asyncio.create_task(asyncio.to_thread(self._compute))
         new: list[tuple[str, GenerateRequest, bool]] = []
         try:
-            # While the model computes: publish the last step, read abort keys, take in new
-            # requests. None of it makes the model wait.
-            aborted = await self.publisher.flush(check_aborts=watched)
+            # While the model computes: publish the last step, take in new requests, then,
+            # late in the step, read the abort keys. None of it makes the model wait.
+            await self.publisher.flush()
             if read:
                 new = await self._read(block=False)
+            late = started + ABORT_CHECK_AT * self._step_time - loop.time()
+            if late > 0:
+                await asyncio.wait([step], timeout=late)
+            aborted = await self.publisher.aborted(watched)
         finally:
             outputs = await self._finish_step(step)
+        elapsed = loop.time() - started
+        self._step_time = elapsed if not self._step_time else 0.8 * self._step_time + 0.2 * elapsed
         self._apply_aborts(aborted, outputs)
         return new
 

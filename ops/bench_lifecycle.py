@@ -1,0 +1,254 @@
+"""Lifecycle benchmarks on a live `redserve up` (embedded Redis, one replica, one worker).
+
+    python -m ops.bench_lifecycle cancel [--cancels 200] [--load 8]
+    python -m ops.bench_lifecycle slow [--streams 200] [--seconds 60]
+
+cancel: while `--load` long streams keep the worker busy, clients open streams, read 1-5
+  events and hang up. For each, the latency is from the hang-up to the worker's abort entry
+  (published right after the request's KV is freed; Redis stamps the entry id with its clock,
+  the same clock as this process). Reported in ms and in decode steps (the median interval
+  between consecutive tokens of the load streams). Target: p99 within 2 decode steps.
+slow: `--streams` clients read one event a second for `--seconds`, on sockets with a small
+  receive buffer (a slow link), against a fast model (a tiny random Llama with SmolLM2's
+  tokenizer, so the server is always ahead). The API replica's RSS is sampled throughout and
+  compared with its idle figure. Target: within 50 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import cast
+
+import httpx
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from ops.embedded_redis import EmbeddedRedis, free_port
+from shared.keys import Keys
+from shared.models import resolve_model
+from shared.redis_conn import StreamEntries
+from shared.settings import DEFAULT_MODEL, Settings
+
+console = Console()
+PREFIX = "rsbench"
+
+
+@contextmanager
+def running_stack(model: str, served: str, env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
+    """(API base URL, Redis URL, API pid) of a fresh `redserve up`."""
+    redis_server = EmbeddedRedis()
+    redis_url = redis_server.start()
+    port = free_port()
+    full_env = {**os.environ, **env, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": PREFIX}
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
+                           "--model", model, "--served-model-name", served],
+                          env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if up.poll() is not None:
+                raise RuntimeError("redserve up exited")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        children = Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()
+        api_pid = next(int(c) for c in children
+                       if b"\x00api\x00" in Path(f"/proc/{c}/cmdline").read_bytes())
+        yield base, redis_url, api_pid
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(60)
+        redis_server.stop()
+
+
+def _percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def _entries(r: redis.Redis, key: str) -> StreamEntries:
+    return cast(StreamEntries, r.xrange(key))
+
+
+def _entry_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-")[0])
+
+
+async def _cancel_bench(base: str, redis_url: str, cancels: int, load: int) -> None:
+    keys = Keys(PREFIX)
+    r = redis.Redis.from_url(redis_url)
+    stop = asyncio.Event()
+    load_ids: list[str] = []
+
+    async def load_stream(client: httpx.AsyncClient) -> None:
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Tell a story."}],
+                "max_tokens": 64, "ignore_eos": True, "stream": True}
+        while not stop.is_set():
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                load_ids.append(resp.headers["x-request-id"])
+                async for _ in resp.aiter_lines():
+                    if stop.is_set():
+                        break
+
+    async def cancel_one(client: httpx.AsyncClient, rng: random.Random) -> tuple[str, float]:
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Count to 100."}],
+                "max_tokens": 200, "ignore_eos": True, "stream": True}
+        keep = rng.randrange(1, 6)
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            rid = resp.headers["x-request-id"]
+            seen = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen > keep:
+                        break
+            hung_up = time.time()
+        return rid, hung_up
+
+    async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+        loaders = [asyncio.create_task(load_stream(client)) for _ in range(load)]
+        await asyncio.sleep(3)
+        rng = random.Random(0)
+        results: list[tuple[str, float]] = []
+        with console.status(f"{cancels} cancels under a load of {load} streams"):
+            for _ in range(cancels // 4):
+                results += await asyncio.gather(*(cancel_one(client, rng) for _ in range(4)))
+        stop.set()
+        for task in loaders:
+            task.cancel()
+        await asyncio.gather(*loaders, return_exceptions=True)
+
+    await asyncio.sleep(2)
+    latencies = []
+    for rid, hung_up in results:
+        entries = _entries(r, keys.out(rid))
+        terminal = [e for e, f in entries if f[b"kind"] != b"tokens"]
+        if not terminal or entries[-1][1].get(b"finish_reason") != b"abort":
+            continue  # finished before the abort landed
+        latencies.append(_entry_ms(terminal[0]) - hung_up * 1000)
+    intervals = []
+    for rid in load_ids:
+        ids = [_entry_ms(e) for e, f in _entries(r, keys.out(rid)) if f[b"kind"] == b"tokens"]
+        intervals += [b - a for a, b in itertools.pairwise(ids)]
+    step = statistics.median(intervals)
+    table = Table(title=f"cancellation latency: {len(latencies)} aborts under load")
+    for col in ("", "ms", "decode steps"):
+        table.add_column(col)
+    table.add_row("decode step (median)", f"{step:.0f}", "1")
+    for p in (50, 90, 99):
+        v = _percentile(latencies, p)
+        table.add_row(f"p{p}", f"{v:.0f}", f"{v / step:.2f}")
+    table.add_row("max", f"{max(latencies):.0f}", f"{max(latencies) / step:.2f}")
+    console.print(table)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def _slow_bench(base: str, api_pid: int, streams: int, seconds: int) -> None:
+    idle = _rss_mb(api_pid)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}
+    samples: list[float] = []
+    events: list[int] = []
+
+    async def slow_client() -> None:
+        transport = httpx.AsyncHTTPTransport(
+            socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)])
+        async with httpx.AsyncClient(base_url=base, transport=transport, timeout=300) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                n = 0
+                lines = resp.aiter_lines()
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    line = await anext(lines)
+                    n += line.startswith("data: ")
+                    if line.startswith("data: "):
+                        await asyncio.sleep(1)
+                events.append(n)
+
+    async def sample() -> None:
+        while True:
+            samples.append(_rss_mb(api_pid))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample())
+    with console.status(f"{streams} clients reading one event a second for {seconds}s"):
+        await asyncio.gather(*(slow_client() for _ in range(streams)))
+    sampler.cancel()
+    table = Table(title=f"slow clients: {streams} streams, 1 event/s, {seconds}s")
+    for col in ("API replica RSS", "MB"):
+        table.add_column(col)
+    table.add_row("idle", f"{idle:.1f}")
+    table.add_row("peak during the run", f"{max(samples):.1f}")
+    table.add_row("peak - idle (target <= 50)", f"{max(samples) - idle:.1f}")
+    table.add_row("events read per client (median)", f"{statistics.median(events):.0f}")
+    console.print(table)
+
+
+def _tiny_model(directory: Path) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    smol = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(smol.path))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=len(tokenizer), max_position_embeddings=8192,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="bench", required=True)
+    c = sub.add_parser("cancel")
+    c.add_argument("--cancels", type=int, default=200)
+    c.add_argument("--load", type=int, default=8)
+    s = sub.add_parser("slow")
+    s.add_argument("--streams", type=int, default=200)
+    s.add_argument("--seconds", type=int, default=60)
+    args = ap.parse_args()
+
+    if args.bench == "cancel":
+        with running_stack(DEFAULT_MODEL, DEFAULT_MODEL, {}) as (base, redis_url, _):
+            asyncio.run(_cancel_bench(base, redis_url, args.cancels, args.load))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _tiny_model(Path(tmp))
+        env = {"REDSERVE_SLOW_CLIENT_TIMEOUT_S": str(args.seconds * 3),
+               "REDSERVE_MAX_RUNNING": str(args.streams),
+               "REDSERVE_MAX_QUEUED_REQUESTS": str(args.streams)}
+        with running_stack(str(model), "tiny", env) as (base, _, api_pid):
+            asyncio.run(_slow_bench(base, api_pid, args.streams, args.seconds))
+
+
+if __name__ == "__main__":
+    main()
