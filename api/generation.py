@@ -65,6 +65,7 @@ class Generation:
         try:
             await pipe.execute()
         except aioredis.RedisError as e:
+            self.outcome = "redis_unavailable"
             await self.close()
             raise _unavailable(ctx, e) from e
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -174,21 +175,28 @@ async def _slow_bench(base: str, api_pid: int, streams: int, seconds: int) -> No
             "stream": True}
     samples: list[float] = []
     events: list[int] = []
+    endings: list[str] = []
 
     async def slow_client() -> None:
         transport = httpx.AsyncHTTPTransport(
             socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)])
         async with httpx.AsyncClient(base_url=base, transport=transport, timeout=300) as client:
             async with client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    endings.append(f"HTTP {resp.status_code}: {(await resp.aread())[:120]!r}")
+                    return
                 n = 0
-                lines = resp.aiter_lines()
+                last = ""
                 deadline = time.monotonic() + seconds
-                while time.monotonic() < deadline:
-                    line = await anext(lines)
-                    n += line.startswith("data: ")
+                async for line in resp.aiter_lines():
                     if line.startswith("data: "):
+                        n += 1
+                        last = line
+                        if time.monotonic() > deadline:
+                            break
                         await asyncio.sleep(1)
                 events.append(n)
+                endings.append("held to the end" if time.monotonic() > deadline else last[:120])
 
     async def sample() -> None:
         while True:
@@ -207,6 +215,8 @@ async def _slow_bench(base: str, api_pid: int, streams: int, seconds: int) -> No
     table.add_row("peak - idle (target <= 50)", f"{max(samples) - idle:.1f}")
     table.add_row("events read per client (median)", f"{statistics.median(events):.0f}")
     console.print(table)
+    for ending, count in Counter(endings).most_common():
+        console.print(f"{count} streams: {ending}")
 
 
 def _tiny_model(directory: Path) -> Path:

@@ -25,15 +25,19 @@ class RedisClients:
         await self.blocking.aclose()
 
 
-def connect(url: str, *, name: str) -> RedisClients:
+def connect(url: str, *, name: str, max_connections: int = 64) -> RedisClients:
+    """Bounded pools: under a burst, callers wait up to 5 s for a free connection instead of
+    failing (redis-py's default pool raises past 100 connections)."""
     # RESP2 pinned: stream replies are parsed as RESP2 lists on both sides.
     common: dict[str, Any] = {
-        "socket_connect_timeout": 5.0, "health_check_interval": 30, "protocol": 2,
+        "socket_connect_timeout": 5.0, "health_check_interval": 30, "protocol": 2, "timeout": 5,
     }
-    commands = aioredis.Redis.from_url(url, socket_timeout=10.0, client_name=name, **common)
-    blocking = aioredis.Redis.from_url(
-        url, socket_timeout=None, client_name=f"{name}-block", **common
-    )
+    commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
+    ))
+    blocking = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=4, socket_timeout=None, client_name=f"{name}-block", **common
+    ))
     return RedisClients(commands=commands, blocking=blocking)
 
 

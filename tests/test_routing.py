@@ -103,5 +103,12 @@ async def test_client_that_leaves_early_sets_the_abort_key(
     abort_key = keys.abort(request_id)
     assert await asyncio.to_thread(eventually, lambda: sync_redis.exists(abort_key))
     assert 0 < sync_redis.ttl(abort_key) <= 3600
+    # Tokens a worker publishes after the abort reach no one and create no state here.
+    sync_redis.xadd(keys.out(request_id), Tokens(1, (43,)).to_fields())  # type: ignore[arg-type]
+    await asyncio.sleep(0.3)
+    metrics = await asyncio.to_thread(api_only.metrics, f"{api_only.base_url}/metrics")
+    assert metrics["redserve_api_inflight_requests"] == 0
+    assert metrics["redserve_api_result_queues"] == 0
+    assert metrics["redserve_api_buffered_results"] == 0
     [queued] = queued_requests(sync_redis, keys, 1)
     assert queued.id == request_id
