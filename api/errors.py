@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,13 +42,29 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
-    # ("body", "messages", 0, "content") -> "messages[0].content"
-    parts = [p for p in loc if p != "body"]
+    # ("body", "messages", 0, "content") -> "messages[0].content"; pydantic's union-member tags
+    # ("str", "list[str]", "function-after[...]") are not part of the field's path.
     out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p in _TYPE_TAGS or "[" in str(p) or "-" in str(p):
+            continue
+        else:
+            out += f".{p}" if out else str(p)
     return out or None
+
+
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """Of a union's errors, the one that is not a mere type mismatch with another member."""
+    for error in errors:
+        if not str(error.get("type", "")).endswith("_type"):
+            return error
+    return errors[0]
 
 
 def install(app: FastAPI) -> None:
@@ -57,9 +74,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        first = _most_telling(exc.errors()) if exc.errors() else {"loc": (), "msg": "invalid"}
         param = _param(tuple(first.get("loc", ())))
         message = str(first.get("msg", "invalid request"))
+        if first.get("type") == "extra_forbidden":
+            message = "this field is not supported by redserve"
         if param:
             message = f"{param}: {message}"
         return json_response(

@@ -21,9 +21,10 @@ from shared.messages import Error, Finish, GenerateRequest, RequestState, Result
 
 
 class Generation:
-    def __init__(self, ctx: AppContext, request: GenerateRequest) -> None:
+    def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0) -> None:
         self.ctx = ctx
         self.request = request
+        self.siblings = siblings  # other choices of the same reply: `<id>-1` .. `<id>-<n-1>`
         self.outcome: str | None = None  # how it ended, once it has
         self._sub: Subscription | None = None
         self._started = False  # a worker has answered at least once
@@ -57,6 +58,7 @@ class Generation:
             "prompt_tokens": str(len(req.prompt_ids)),
             "replica": ctx.replica,
             "owner": req.owner,
+            "choices": str(max(self.siblings, 1)),
         })
         pipe.expire(state_key, ttl)
         pipe.xadd(keys.requests, req.to_fields(),  # type: ignore[arg-type]
@@ -116,17 +118,21 @@ class Generation:
             return True
         return state in (None, RequestState.QUEUED.encode())
 
-    async def close(self) -> None:
+    async def close(self, outcome: str | None = None) -> None:
+        """`outcome`: how the caller ended it, when the worker did not (a stop string)."""
         if self._closed:
             return
         self._closed = True
         ctx = self.ctx
+        outcome = self.outcome or outcome
+        if outcome is None:
+            ctx.metrics.disconnects.inc()
+        ctx.metrics.finished.labels(outcome or "disconnect").inc()
         if self._sub is not None:
             ctx.reader.close(self._sub)
+            # Wakes anyone still iterating, who then sees the end.
+            self._sub.fail(Error("the request was closed", "server_error", "closed"))
         ctx.live.remove(self.request.id)
-        if self.outcome is None:
-            ctx.metrics.disconnects.inc()
-        ctx.metrics.finished.labels(self.outcome or "disconnect").inc()
         if not self._worker_ended:
             if self._aborting is None:
                 self._aborting = asyncio.create_task(self._abort())

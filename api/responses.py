@@ -33,7 +33,13 @@ class ResponseFormat:
         }
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, *, role: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None = None,
+        *,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, str] = {}
@@ -41,12 +47,12 @@ class ResponseFormat:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
             obj = "text_completion"
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         return {**self._envelope(obj), "choices": [choice]}
 
@@ -54,19 +60,23 @@ class ResponseFormat:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj), "choices": [], "usage": usage}
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        if self.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text}
-            obj = "text_completion"
-        choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason
-        return {**self._envelope(obj), "choices": [choice], "usage": usage}
+    def whole(self, choices: list[tuple[str, str, dict[str, Any] | None]],
+              usage: dict[str, Any]) -> dict[str, Any]:
+        """`choices`: (text, finish_reason, logprobs) in index order."""
+        out = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            if self.kind == "chat":
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                }
+            else:
+                choice = {"index": index, "text": text}
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = finish_reason
+            out.append(choice)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj), "choices": out, "usage": usage}
 
 
 def json_response(

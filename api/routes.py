@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
 
 from api.context import AppContext
-from api.errors import APIError, error_body
-from api.generation import Generation
+from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.responses import Kind, ResponseFormat, json_response, usage
-from shared.keys import new_request_id
+from api.responses import json_response
+from api.serving import generate
 from shared.messages import (
-    Error,
-    Finish,
-    GenerateRequest,
     RequestState,
-    SamplingParams,
-    Tokens,
 )
 
 router = APIRouter()
@@ -89,8 +77,12 @@ async def cancel(request_id: str, request: Request) -> Response:
     current = state[b"state"].decode()
     cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
     if cancelled:
-        await ctx.clients.commands.set(ctx.keys.abort(request_id), "1",
-                                       ex=ctx.settings.request_ttl_s)
+        # A reply with several choices is cancelled whole: `<id>` and `<id>-1`..`<id>-<n-1>`.
+        ids = [request_id] + [f"{request_id}-{i}" for i in range(1, int(state[b"choices"]))]
+        pipe = ctx.clients.commands.pipeline(transaction=False)
+        for rid in ids:
+            pipe.set(ctx.keys.abort(rid), "1", ex=ctx.settings.request_ttl_s)
+        await pipe.execute()
     return json_response({"id": request_id, "object": "request", "state": current,
                           "cancelled": cancelled})
 
@@ -115,24 +107,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = _ctx(request)
     _check_model(ctx, body.model)
     prompt_ids = await ctx.codec.encode_chat(body.messages)
-    return await _generate(ctx, request, body, prompt_ids, "chat")
+    return await generate(ctx, request, body, [prompt_ids], "chat", _owner(request))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     _check_model(ctx, body.model)
-    prompt = body.prompt_value()
-    if isinstance(prompt, str):
-        prompt_ids = await ctx.codec.encode_text(prompt)
-    else:
-        vocab = len(ctx.codec.tokenizer)
+    vocab = len(ctx.codec.tokenizer)
+    prompts: list[list[int]] = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompts.append(await ctx.codec.encode_text(prompt))
+            continue
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                            param="prompt", code="invalid_value")
-        prompt_ids = prompt
-    return await _generate(ctx, request, body, prompt_ids, "text")
+        prompts.append(prompt)
+    echoes = [ctx.codec.decode(p) if not isinstance(raw, str) else raw
+              for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
+    return await generate(ctx, request, body, prompts, "text", _owner(request), echoes)
 
 
 def _check_model(ctx: AppContext, model: str) -> None:
@@ -141,142 +136,6 @@ def _check_model(ctx: AppContext, model: str) -> None:
                        f"'{ctx.model.name}'.", param="model", code="model_not_found")
 
 
-def _fit_context(ctx: AppContext, prompt_tokens: int, requested: int | None) -> int:
-    limit = ctx.model.max_model_len
-    if requested is None:
-        if prompt_tokens >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
-                           f"prompt has {prompt_tokens} tokens.", param="messages",
-                           code="context_length_exceeded")
-        return limit - prompt_tokens
-    if prompt_tokens + requested > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
-                       f"prompt, {requested} for the completion).", param="max_tokens",
-                       code="context_length_exceeded")
-    return requested
-
-
 def _owner(request: Request) -> str:
     auth = request.headers.get("authorization", "")
     return hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
-
-
-async def _generate(
-    ctx: AppContext,
-    request: Request,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompt_ids: list[int],
-    kind: Kind,
-) -> Response:
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    max_tokens = _fit_context(ctx, len(prompt_ids), body.requested_max_tokens())
-    now = time.time()
-    gen_request = GenerateRequest(
-        id=new_request_id(ctx.replica),
-        model=ctx.model.name,
-        prompt_ids=tuple(prompt_ids),
-        params=SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-        ),
-        created=now,
-        queue_deadline=now + ctx.settings.queue_timeout_s,
-        deadline=now + ctx.settings.request_timeout_s,
-        owner=_owner(request),
-        trace_id=request.headers.get("x-trace-id", ""),
-    )
-    fmt = ResponseFormat(kind, gen_request.id, ctx.model.name, int(now))
-    generation = Generation(ctx, gen_request)
-    await generation.start()
-    headers = {"X-Request-Id": gen_request.id}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(
-            _stream(ctx, generation, fmt, include_usage),
-            headers=headers,
-            sep="\n",
-            ping=15,
-            background=BackgroundTask(generation.close),
-        )
-    try:
-        reply = await _collect_unless_disconnected(ctx, request, generation, fmt)
-    finally:
-        await generation.close()
-    return json_response(reply, headers=headers)
-
-
-async def _collect_unless_disconnected(
-    ctx: AppContext, request: Request, generation: Generation, fmt: ResponseFormat
-) -> dict[str, Any]:
-    """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
-    while collecting, and stop (close() then aborts the work) as soon as it comes."""
-    collect = asyncio.create_task(_collect(ctx, generation, fmt))
-    gone = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not collect.done():
-            collect.cancel()
-    if collect.cancelled():
-        return {}  # nobody is listening for this reply
-    return collect.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _event(payload: dict[str, Any] | str) -> ServerSentEvent:
-    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
-    return ServerSentEvent(data=data)
-
-
-async def _stream(
-    ctx: AppContext, generation: Generation, fmt: ResponseFormat, include_usage: bool
-) -> AsyncIterator[ServerSentEvent]:
-    decoder = ctx.codec.decoder()
-    try:
-        if fmt.kind == "chat":
-            yield _event(fmt.chunk("", role=True))
-        async for entry in generation:
-            if isinstance(entry, Tokens):
-                text = decoder.push(entry.ids)
-                if text:
-                    yield _event(fmt.chunk(text))
-            elif isinstance(entry, Finish):
-                tail = decoder.flush()
-                if tail:
-                    yield _event(fmt.chunk(tail))
-                yield _event(fmt.chunk(None if fmt.kind == "chat" else "", entry.finish_reason))
-                if include_usage:
-                    yield _event(fmt.usage_chunk(usage(entry.prompt_tokens,
-                                                       entry.completion_tokens)))
-            elif isinstance(entry, Error):
-                yield _event(error_body(entry.message, entry.type, None, entry.code))
-        yield _event("[DONE]")
-    finally:
-        await generation.close()
-
-
-async def _collect(ctx: AppContext, generation: Generation, fmt: ResponseFormat) -> dict[str, Any]:
-    decoder = ctx.codec.decoder()
-    parts: list[str] = []
-    async for entry in generation:
-        if isinstance(entry, Tokens):
-            parts.append(decoder.push(entry.ids))
-        elif isinstance(entry, Finish):
-            parts.append(decoder.flush())
-            return fmt.whole("".join(parts), entry.finish_reason,
-                             usage(entry.prompt_tokens, entry.completion_tokens))
-        else:
-            raise APIError(_ERROR_STATUS.get(entry.code, 500), entry.message, type=entry.type,
-                           code=entry.code)
-    raise APIError(500, "result stream ended without a terminal entry", type="server_error")

@@ -32,6 +32,12 @@ class TextCodec:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
+    def token_text(self, token_id: int) -> str:
+        return cast(str, self.tokenizer.decode([token_id]))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer)
 

@@ -4,6 +4,7 @@ Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`.
 
 Result stream entries (one stream per request, read by the API replica that owns the request):
     kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>
+                 [logprobs=<JSON: per token [logprob, [[id, logprob], ...top alternatives]]>]
     kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
     kind=error   type=<error type>  code=<code>  message=<text>
 Exactly one `finish` or `error` entry ends every result stream. Flat string fields keep the
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -27,9 +29,16 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # 0 = no top-k cut
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities: None = none; N = the chosen token's and its N best alternatives.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class GenerateRequest(BaseModel):
@@ -58,13 +67,20 @@ class GenerateRequest(BaseModel):
         return cls.model_validate_json(fields[b"body"])
 
 
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]  # chosen, then top alternatives
+
+
 @dataclass(frozen=True)
 class Tokens:
     index: int
     ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     def to_fields(self) -> dict[str, str]:
-        return {"kind": "tokens", "index": str(self.index), "ids": ",".join(map(str, self.ids))}
+        fields = {"kind": "tokens", "index": str(self.index), "ids": ",".join(map(str, self.ids))}
+        if self.logprobs is not None:
+            fields["logprobs"] = orjson.dumps(self.logprobs).decode()
+        return fields
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,11 @@ def decode_result(fields: dict[bytes, bytes]) -> ResultEntry:
     kind = f.get("kind")
     if kind == "tokens":
         ids = tuple(int(x) for x in f["ids"].split(",")) if f["ids"] else ()
-        return Tokens(index=int(f["index"]), ids=ids)
+        logprobs = None
+        if "logprobs" in f:
+            logprobs = tuple((float(lp), tuple((int(t), float(v)) for t, v in top))
+                             for lp, top in orjson.loads(f["logprobs"]))
+        return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs)
     if kind == "finish":
         reason = f["finish_reason"]
         if reason not in ("stop", "length", "abort"):

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.messages import FinishReason, GenerateRequest
+from shared.messages import FinishReason, GenerateRequest, TokenLogprob
 from worker.kv_cache import KVBudget, RequestKV
 from worker.model_runner import ModelRunner, Segment
-from worker.sampler import make_generator, sample
+from worker.sampler import Row, make_generator, sample
 
 
 class AdmissionError(ValueError):
@@ -48,6 +48,7 @@ class StepOutput:
     finish: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    logprob: TokenLogprob | None = None
 
 
 class Engine:
@@ -156,10 +157,11 @@ class Engine:
             segments.append(Segment(seq.kv, len(seq.tokens) - 1, 1))
 
         logits = self.runner.forward(token_ids, segments)
-        chosen = sample(
-            logits, [s.request.params for s in batch], [s.generator for s in batch]
-        )
-        return [self._append(seq, token) for seq, token in zip(batch, chosen, strict=True)]
+        rows = [Row(s.request.params, s.generator, s.request.prompt_ids, s.tokens[s.num_prompt:])
+                for s in batch]
+        chosen = sample(logits, rows)
+        return [self._append(seq, token, logprob)
+                for seq, (token, logprob) in zip(batch, chosen, strict=True)]
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -178,7 +180,7 @@ class Engine:
             prefill_tokens += len(seq.tokens)
         return admitted
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.tokens.append(token)
         index = seq.num_output - 1
         finish: FinishReason | None = None
@@ -197,6 +199,7 @@ class Engine:
             finish=finish,
             prompt_tokens=seq.num_prompt,
             completion_tokens=seq.num_output,
+            logprob=logprob if shown is not None else None,
         )
 
     def _release(self, seq: Sequence) -> None:

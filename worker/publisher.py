@@ -57,7 +57,8 @@ class Publisher:
     def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
             if out.token is not None:
-                self._xadd(out.request_id, Tokens(out.index, (out.token,)).to_fields())
+                logprobs = (out.logprob,) if out.logprob is not None else None
+                self._xadd(out.request_id, Tokens(out.index, (out.token,), logprobs).to_fields())
             if out.finish is not None:
                 finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens)
                 self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],

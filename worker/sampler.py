@@ -1,10 +1,26 @@
-"""Next-token choice for each request of a batch, each with its own parameters and generator."""
+"""Next-token choice for each request of a batch, each with its own parameters and generator.
+
+Order, as in vLLM and transformers: logit_bias, repetition penalty (prompt and output),
+presence/frequency penalties (output), then log-probabilities are taken from these logits
+(before temperature), then temperature, top-k, top-p, min-p and the draw.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Row:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -18,27 +34,58 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """`logits` is [batch, vocab] in fp32; returns one token id per row."""
-    out: list[int] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        if p.temperature == 0.0 or gen is None:
-            out.append(int(torch.argmax(row)))
-            continue
-        scores = row / p.temperature
-        if p.top_k > 0 and p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLogprob | None]]:
+    """`logits` is [batch, vocab] in fp32; returns each row's token and, if asked, logprobs."""
+    out: list[tuple[int, TokenLogprob | None]] = []
+    for scores, row in zip(logits, rows, strict=True):
+        p = row.params
+        scores = _adjust(scores, row)
+        token = _draw(scores, p, row.generator)
+        logprob: TokenLogprob | None = None
+        if p.logprobs is not None:
+            logprobs = torch.log_softmax(scores, dim=-1)
+            top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+            alternatives = (tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                            if top is not None else ())
+            logprob = (float(logprobs[token]), alternatives)
+        out.append((token, logprob))
     return out
+
+
+def _adjust(scores: torch.Tensor, row: Row) -> torch.Tensor:
+    p = row.params
+    if not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
+            or p.frequency_penalty):
+        return scores
+    scores = scores.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=scores.device)
+        scores[ids] += torch.tensor([b for _, b in p.logit_bias], device=scores.device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), device=scores.device)
+        picked = scores[seen]
+        scores[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                   picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        counts = torch.bincount(torch.tensor(row.output_ids, device=scores.device),
+                                minlength=scores.shape[-1]).to(scores.dtype)
+        scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def _draw(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.temperature == 0.0 or gen is None:
+        return int(torch.argmax(scores))
+    scores = scores / p.temperature
+    if 0 < p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,114 @@
+"""One choice of a reply: its text (detokenized, stop strings applied), its logprobs and how it
+ended. A request with `n` > 1 or several prompts has one `Choice` per generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.generation import Generation
+from api.text import IncrementalDecoder, TextCodec
+from shared.messages import Finish, Tokens
+
+
+class StopStrings:
+    """Cuts the text at the first stop string, holding back any tail that could still grow
+    into one, so a streaming client never sees part of a stop string."""
+
+    def __init__(self, stops: list[str], include: bool) -> None:
+        self.stops = stops
+        self.include = include
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Text safe to show now, and whether a stop string ended the choice."""
+        buf = self.pending + text
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            pos, stop = min(hits)
+            self.pending = ""
+            return buf[: pos + len(stop) if self.include else pos], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])),
+                   default=0)
+        self.pending = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Choice:
+    index: int
+    generation: Generation
+    decoder: IncrementalDecoder
+    stops: StopStrings | None
+    chat: bool
+    codec: TextCodec
+    prefix: str = ""  # echoed prompt text, shown before the completion
+    finish_reason: str | None = None
+    tokens_seen: int = 0
+    completion_tokens: int = 0
+    logprob_items: list[Any] = field(default_factory=list)
+
+    def on_tokens(self, entry: Tokens) -> tuple[str, list[Any]]:
+        """Text delta and logprob items for a tokens entry."""
+        self.tokens_seen += len(entry.ids)
+        text = self.decoder.push(entry.ids)
+        items = self._logprobs(entry)
+        if self.stops is not None:
+            text, stopped = self.stops.feed(text)
+            if stopped:
+                self.finish_reason = "stop"
+                self.completion_tokens = self.tokens_seen
+        return text, items
+
+    def on_finish(self, entry: Finish) -> str:
+        """The rest of the text once the worker ended the choice."""
+        tail = self.decoder.flush()
+        self.finish_reason = entry.finish_reason
+        if self.stops is not None:
+            tail, stopped = self.stops.feed(tail)
+            if stopped:
+                self.finish_reason = "stop"
+            else:
+                tail += self.stops.flush()
+        self.completion_tokens = entry.completion_tokens
+        return tail
+
+    def _logprobs(self, entry: Tokens) -> list[Any]:
+        if entry.logprobs is None:
+            return []
+        items: list[Any] = []
+        for token_id, (logprob, top) in zip(entry.ids, entry.logprobs, strict=True):
+            token = self.codec.token_text(token_id)
+            if self.chat:
+                items.append({
+                    "token": token, "logprob": logprob, "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": (t := self.codec.token_text(i)), "logprob": lp,
+                         "bytes": list(t.encode())} for i, lp in top
+                    ],
+                })
+            else:
+                items.append((token, logprob, {self.codec.token_text(i): lp for i, lp in top}))
+        self.logprob_items.extend(items)
+        return items
+
+
+def chat_logprobs(items: list[Any]) -> dict[str, Any]:
+    return {"content": items}
+
+
+def text_logprobs(items: list[Any], offset: int) -> dict[str, Any]:
+    offsets = []
+    for token, _, _ in items:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": [t for t, _, _ in items],
+        "token_logprobs": [lp for _, lp, _ in items],
+        "top_logprobs": [top for _, _, top in items],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,280 @@
+"""From a validated, tokenized request to its reply: one `Generation` per choice (`n` per
+prompt), merged into one SSE stream or one JSON object."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from api.choices import Choice, StopStrings, chat_logprobs, text_logprobs
+from api.context import AppContext
+from api.errors import APIError, error_body
+from api.generation import Generation
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.responses import Kind, ResponseFormat, json_response, usage
+from shared.keys import new_request_id
+from shared.messages import Error, Finish, GenerateRequest, SamplingParams, Tokens
+
+# Worker error codes that are the client's fault or a capacity problem, not a server bug.
+_ERROR_STATUS = {
+    "context_length": 400,
+    "model_not_found": 404,
+    "queue_timeout": 503,
+    "worker_shutdown": 503,
+    "server_shutdown": 503,
+    "request_timeout": 504,
+}
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int,
+                    seed: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
+        seed=seed,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+        logprobs=body.top_logprobs_count(),
+    )
+
+
+def fit_context(ctx: AppContext, prompt_tokens: int, requested: int | None) -> int:
+    limit = ctx.model.max_model_len
+    if requested is None:
+        if prompt_tokens >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
+                           f"prompt has {prompt_tokens} tokens.", param="messages",
+                           code="context_length_exceeded")
+        return limit - prompt_tokens
+    if prompt_tokens + requested > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+                       f"prompt, {requested} for the completion).", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+async def generate(
+    ctx: AppContext,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: list[list[int]],
+    kind: Kind,
+    owner: str,
+    echoes: list[str] | None = None,
+) -> Response:
+    now = time.time()
+    base_id = new_request_id(ctx.replica)
+    vocab = len(ctx.codec.tokenizer)
+    for t in [*(int(k) for k in (body.logit_bias or {})), *(body.stop_token_ids or ())]:
+        if t >= vocab:
+            raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1})",
+                           code="invalid_value")
+    requests = []
+    for p_index, prompt_ids in enumerate(prompts):
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        max_tokens = fit_context(ctx, len(prompt_ids), body.requested_max_tokens())
+        for j in range(body.n):
+            index = p_index * body.n + j
+            seed = None if body.seed is None else body.seed + index
+            requests.append(GenerateRequest(
+                id=base_id if index == 0 else f"{base_id}-{index}",
+                model=ctx.model.name,
+                prompt_ids=tuple(prompt_ids),
+                params=sampling_params(body, max_tokens, seed),
+                created=now,
+                queue_deadline=now + ctx.settings.queue_timeout_s,
+                deadline=now + ctx.settings.request_timeout_s,
+                owner=owner,
+                trace_id=request.headers.get("x-trace-id", ""),
+            ))
+    stops = body.stop_strings()
+    choices = [
+        Choice(
+            index=i,
+            generation=Generation(ctx, req, siblings=len(requests) if i == 0 else 0),
+            decoder=ctx.codec.decoder(),
+            stops=StopStrings(stops, body.include_stop_str_in_output) if stops else None,
+            chat=kind == "chat",
+            codec=ctx.codec,
+            prefix=echoes[i // body.n] if echoes else "",
+        )
+        for i, req in enumerate(requests)
+    ]
+    try:
+        for choice in choices:
+            await choice.generation.start()
+    except BaseException:
+        await _close_all(choices)
+        raise
+    prompt_tokens = sum(len(p) for p in prompts)
+    fmt = ResponseFormat(kind, base_id, ctx.model.name, int(now))
+    headers = {"X-Request-Id": base_id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(
+            _stream(choices, fmt, prompt_tokens, include_usage),
+            headers=headers, sep="\n", ping=15,
+            background=BackgroundTask(_close_all, choices),
+        )
+    try:
+        reply = await _collect_unless_disconnected(request, choices, fmt, prompt_tokens)
+    finally:
+        await _close_all(choices)
+    return json_response(reply, headers=headers)
+
+
+async def _close_all(choices: list[Choice]) -> None:
+    for choice in choices:
+        await choice.generation.close()
+
+
+async def _entries(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Any]]:
+    """Every choice's result entries as they arrive, interleaved."""
+    if len(choices) == 1:
+        async for entry in choices[0].generation:
+            yield choices[0], entry
+        return
+    merged: asyncio.Queue[tuple[Choice, Any] | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for entry in choice.generation:
+                await merged.put((choice, entry))
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            item = await merged.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _logprobs(fmt: ResponseFormat, items: list[Any], offset: int) -> dict[str, Any] | None:
+    if not items:
+        return None
+    return chat_logprobs(items) if fmt.kind == "chat" else text_logprobs(items, offset)
+
+
+def _event(payload: dict[str, Any] | str) -> ServerSentEvent:
+    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
+    return ServerSentEvent(data=data)
+
+
+async def _stream(
+    choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[ServerSentEvent]:
+    offsets = {c.index: len(c.prefix) for c in choices}
+    failed = False
+    try:
+        for c in choices:
+            if fmt.kind == "chat":
+                yield _event(fmt.chunk(c.index, "", role=True))
+            elif c.prefix:
+                yield _event(fmt.chunk(c.index, c.prefix))
+        async for choice, entry in _entries(choices):
+            if choice.finish_reason is not None:
+                continue  # ended here by a stop string; the worker's late entries are moot
+            if isinstance(entry, Tokens):
+                text, items = choice.on_tokens(entry)
+                if text or items:
+                    yield _event(fmt.chunk(choice.index, text,
+                                           logprobs=_logprobs(fmt, items, offsets[choice.index])))
+                    offsets[choice.index] += len(text)
+                if choice.finish_reason is not None:
+                    yield _event(fmt.chunk(choice.index, _final_text(fmt), "stop"))
+                    await choice.generation.close("stop")  # tells the worker to stop now
+            elif isinstance(entry, Finish):
+                tail = choice.on_finish(entry)
+                if tail:
+                    yield _event(fmt.chunk(choice.index, tail))
+                yield _event(fmt.chunk(choice.index, _final_text(fmt), choice.finish_reason))
+            elif isinstance(entry, Error):
+                yield _event(error_body(entry.message, entry.type, None, entry.code))
+                failed = True
+                break
+        if include_usage and not failed:
+            completion = sum(c.completion_tokens for c in choices)
+            yield _event(fmt.usage_chunk(usage(prompt_tokens, completion)))
+        yield _event("[DONE]")
+    finally:
+        await _close_all(choices)
+
+
+def _final_text(fmt: ResponseFormat) -> str | None:
+    return None if fmt.kind == "chat" else ""
+
+
+async def _collect_unless_disconnected(
+    request: Request, choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+) -> dict[str, Any]:
+    """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
+    while collecting, and stop (closing then aborts the work) as soon as it comes."""
+    collect = asyncio.create_task(_collect(choices, fmt, prompt_tokens))
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+    if collect.cancelled():
+        return {}  # nobody is listening for this reply
+    return collect.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+                   ) -> dict[str, Any]:
+    texts: dict[int, list[str]] = {c.index: [c.prefix] for c in choices}
+    async for choice, entry in _entries(choices):
+        if choice.finish_reason is not None:
+            continue
+        if isinstance(entry, Tokens):
+            text, _ = choice.on_tokens(entry)
+            texts[choice.index].append(text)
+            if choice.finish_reason is not None:
+                await choice.generation.close("stop")
+        elif isinstance(entry, Finish):
+            texts[choice.index].append(choice.on_finish(entry))
+        else:
+            raise APIError(_ERROR_STATUS.get(entry.code, 500), entry.message, type=entry.type,
+                           code=entry.code)
+    missing = [c.index for c in choices if c.finish_reason is None]
+    if missing:
+        raise APIError(500, "result stream ended without a terminal entry", type="server_error")
+    whole = [
+        ("".join(texts[c.index]), c.finish_reason or "stop",
+         _logprobs(fmt, c.logprob_items, len(c.prefix)))
+        for c in choices
+    ]
+    completion = sum(c.completion_tokens for c in choices)
+    return fmt.whole(whole, usage(prompt_tokens, completion))
