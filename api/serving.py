@@ -182,7 +182,7 @@ def _logprobs(fmt: ResponseFormat, items: list[Any], offset: int) -> dict[str, A
 
 def _event(payload: dict[str, Any] | str) -> ServerSentEvent:
     data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
-    return ServerSentEvent(data=data)
+    return ServerSentEvent(data=data, sep="\n")
 
 
 async def _stream(
