@@ -123,15 +123,16 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._sub is None:
+            return  # never admitted: nothing to undo
         ctx = self.ctx
         outcome = self.outcome or outcome
         if outcome is None:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished.labels(outcome or "disconnect").inc()
-        if self._sub is not None:
-            ctx.reader.close(self._sub)
-            # Wakes anyone still iterating, who then sees the end.
-            self._sub.fail(Error("the request was closed", "server_error", "closed"))
+        ctx.reader.close(self._sub)
+        # Wakes anyone still iterating, who then sees the end.
+        self._sub.fail(Error("the request was closed", "server_error", "closed"))
         ctx.live.remove(self.request.id)
         if not self._worker_ended:
             if self._aborting is None:

@@ -14,22 +14,9 @@ from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
 from api.serving import generate
-from shared.messages import (
-    RequestState,
-)
+from shared.messages import RequestState
 
 router = APIRouter()
-
-# Worker error codes that are the client's fault or a capacity problem, not a server bug.
-_ERROR_STATUS = {
-    "context_length": 400,
-    "model_not_found": 404,
-    "queue_timeout": 503,
-    "worker_shutdown": 503,
-    "server_shutdown": 503,
-    "request_timeout": 504,
-}
-
 
 def _ctx(request: Request) -> AppContext:
     ctx: AppContext = request.app.state.ctx

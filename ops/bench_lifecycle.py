@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.embedded_redis import EmbeddedRedis, free_port
+from ops.probe import wait_healthy
 from shared.keys import Keys
 from shared.models import resolve_model
 from shared.redis_conn import StreamEntries
@@ -62,15 +63,8 @@ def running_stack(model: str, served: str, env: dict[str, str]) -> Iterator[tupl
                           start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if up.poll() is not None:
-                raise RuntimeError("redserve up exited")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if not wait_healthy(base, lambda: up.poll() is None, timeout=300):
+            raise RuntimeError("redserve up did not become healthy")
         children = Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()
         api_pid = next(int(c) for c in children
                        if b"\x00api\x00" in Path(f"/proc/{c}/cmdline").read_bytes())

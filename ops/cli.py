@@ -12,10 +12,10 @@ import sys
 import time
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.logging import RichHandler
 
+from ops.probe import wait_healthy
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
@@ -170,14 +170,10 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _wait_ready(host: str, port: int, children: list[subprocess.Popen[bytes]],
                 stop: dict[str, int]) -> None:
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health"
-    while not stop["signal"] and all(c.poll() is None for c in children):
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    wait_healthy(f"http://{local}:{port}",
+                 lambda: not stop["signal"] and all(c.poll() is None for c in children),
+                 timeout=float("inf"))
 
 
 def _stop_children(children: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:

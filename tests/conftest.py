@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 
@@ -68,3 +69,15 @@ def tiny_stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     stack = Stack(redis_url, tiny_model, served_name="tiny-llama").start()
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def client(tiny_stack: Stack) -> openai.OpenAI:
+    """The official client, pointed at the tiny-model stack."""
+    return openai.OpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def aclient(tiny_stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test",
+                              max_retries=0)

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import redis
 
 from ops.embedded_redis import free_port
+from ops.probe import scrape, wait_healthy
 from shared.keys import Keys
 from shared.messages import GenerateRequest
 
@@ -67,13 +67,7 @@ class Stack:
         return self.procs[i]
 
     def metrics(self, url: str) -> dict[str, float]:
-        """Prometheus text at `url` as {sample name with labels: value}."""
-        out = {}
-        for line in httpx.get(url, timeout=5).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return scrape(url)
 
     def start(self, timeout: float = 120.0) -> Stack:
         for _ in range(self.workers):
@@ -98,18 +92,9 @@ class Stack:
             raise RuntimeError(f"workers did not start:\n{self.output()}")
 
     def wait_http(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"a stack process exited early:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"API not healthy after {timeout}s:\n{self.output()}")
+        if not wait_healthy(self.base_url, lambda: all(p.poll() is None for p in self.procs),
+                            timeout):
+            raise RuntimeError(f"the stack did not become healthy:\n{self.output()}")
 
     def output(self) -> str:
         return "\n".join(f"--- {log}\n{log.read_text()[-4000:]}" for log in self.logs)

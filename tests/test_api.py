@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 import redis
 from transformers import AutoTokenizer
 
@@ -17,17 +16,6 @@ from shared.keys import Keys
 from tests.stack import Stack
 
 MODEL = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def client(tiny_stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def aclient(tiny_stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="test",
-                              max_retries=0)
 
 
 def _chat(content: str) -> list[dict[str, str]]:

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from ops.embedded_redis import free_port
+from ops.probe import scrape
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 
@@ -57,15 +58,6 @@ async def _one(client: httpx.AsyncClient, rng: random.Random) -> str:
         return f"{kind}:{response.status_code}"
     except httpx.TimeoutException:
         return f"{kind}:cancelled"
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url, timeout=5).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 @pytest.mark.timeout(300)
@@ -108,12 +100,12 @@ def test_500_mixed_requests_leave_nothing_behind(
 
         # In-memory state drains to zero, seen from outside through /metrics.
         api_metrics = f"{stack.base_url}/metrics"
-        assert eventually(lambda: _metrics(api_metrics)["redserve_api_inflight_requests"] == 0)
-        api = _metrics(api_metrics)
+        assert eventually(lambda: scrape(api_metrics)["redserve_api_inflight_requests"] == 0)
+        api = scrape(api_metrics)
         assert api["redserve_api_result_queues"] == 0
         assert api["redserve_api_buffered_results"] == 0
-        assert eventually(lambda: _metrics(worker_metrics)["redserve_worker_kv_tokens_used"] == 0)
-        worker = _metrics(worker_metrics)
+        assert eventually(lambda: scrape(worker_metrics)["redserve_worker_kv_tokens_used"] == 0)
+        worker = scrape(worker_metrics)
         assert worker["redserve_worker_running_requests"] == 0
         assert worker["redserve_worker_waiting_requests"] == 0
         assert worker["redserve_worker_step_failures_total"] > 0

@@ -20,16 +20,6 @@ MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
-def client(tiny_stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def aclient(tiny_stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{tiny_stack.base_url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(tiny_model))
 
