@@ -87,6 +87,9 @@ class Generation:
         if self.outcome is not None or sub is None:
             raise StopAsyncIteration
         while True:
+            if not sub.queue.empty():  # the common case while tokens flow: no timer needed
+                entry = sub.queue.get_nowait()
+                break
             waiting_in_queue = not self._started and time.time() < self.request.queue_deadline
             until = self.request.queue_deadline if waiting_in_queue else self.request.deadline
             try:
