@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -35,10 +36,22 @@ async def health(request: Request) -> Response:
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
-    """Readiness: false while draining, so load balancers stop sending new requests."""
-    if _ctx(request).live.draining:
+    """Readiness: Redis answers, at least one live worker serves the model, and this replica
+    is not draining (so load balancers stop sending it new requests)."""
+    ctx = _ctx(request)
+    if ctx.live.draining:
         return json_response({"status": "draining"}, status_code=503)
-    return await health(request)
+    workers = ctx.keys.workers(ctx.model.name)
+    pipe = ctx.clients.commands.pipeline(transaction=False)
+    pipe.zremrangebyscore(workers, "-inf", time.time())
+    pipe.zcard(workers)
+    try:
+        _, live = await pipe.execute()
+    except Exception as e:
+        return json_response({"status": "unavailable", "redis": str(e)}, status_code=503)
+    if not live:
+        return json_response({"status": "no live worker for the model"}, status_code=503)
+    return json_response({"status": "ok", "workers": live})
 
 
 @router.get("/metrics")

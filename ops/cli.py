@@ -51,6 +51,13 @@ def _worker_options(p: argparse.ArgumentParser) -> None:
                    "[env REDSERVE_KV_CACHE_BYTES]")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="redserve",
@@ -65,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     _api_options(up, "127.0.0.1")
     _model_options(up)
     _worker_options(up)
+    up.add_argument("--replicas", type=_positive, default=1, help="API replicas, on consecutive "
+                    "ports from --port (default 1)")
+    up.add_argument("--workers", type=_positive, default=1, help="workers (default 1)")
 
     api = sub.add_parser("api", help="run one API replica against REDIS_URL",
                          description="Run one stateless API replica against REDIS_URL.")
@@ -137,11 +147,11 @@ def run_up(args: argparse.Namespace) -> int:
                                          ("kv_cache_bytes", "--kv-cache-bytes"))
                     if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
     me = [sys.executable, "-m", "ops.cli"]
-    children = [
-        subprocess.Popen([*me, "worker", *passthrough, *worker_flags], env=env),
-        subprocess.Popen([*me, "api", "--host", host, "--port", str(settings.port),
-                          *passthrough], env=env),
-    ]
+    ports = [settings.port + i for i in range(args.replicas)]
+    children = [subprocess.Popen([*me, "worker", *passthrough, *worker_flags], env=env)
+                for _ in range(args.workers)]
+    children += [subprocess.Popen([*me, "api", "--host", host, "--port", str(port),
+                                   *passthrough], env=env) for port in ports]
     stop = {"signal": 0}
 
     def on_signal(signum: int, _: object) -> None:
@@ -151,10 +161,13 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        _wait_ready(host, settings.port, children, stop)
+        for port in ports:
+            _wait_ready(host, port, children, stop)
         if not stop["signal"]:
-            console.print(f"[green]ready[/green]: http://{host}:{settings.port}/v1 "
-                          f"(model {info.name}); Ctrl-C stops everything")
+            urls = ", ".join(f"http://{host}:{port}/v1" for port in ports)
+            console.print(f"[green]ready[/green]: {urls} (model {info.name}, "
+                          f"{args.workers} worker{'s' if args.workers > 1 else ''}); "
+                          "Ctrl-C stops everything")
         while not stop["signal"]:
             if any(c.poll() is not None for c in children):
                 console.print("[red]a child process exited; stopping[/red]")

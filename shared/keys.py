@@ -12,6 +12,7 @@ request's keys from its id alone.
     {prefix}:{<replica>}:<id>:abort        set to cancel                      (TTL)
     {prefix}:{<replica>}:wake              stream that wakes the replica's reader (TTL)
     {prefix}:worker:<name>                 heartbeat                          (TTL)
+    {prefix}:workers:<model>               sorted set: live workers by heartbeat expiry (TTL)
 """
 
 from __future__ import annotations
@@ -66,3 +67,6 @@ class Keys:
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
+
+    def workers(self, model: str) -> str:
+        return f"{self.prefix}:workers:{model}"

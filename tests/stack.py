@@ -75,7 +75,7 @@ class Stack:
         if self.api:
             self._spawn("api", "--host", "127.0.0.1", "--port", str(self.port))
             self.wait_http(timeout)
-        else:
+        if self.workers:
             self.wait_workers(timeout)
         return self
 

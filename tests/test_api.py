@@ -27,6 +27,7 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
     assert model.id == MODEL
     assert model.model_extra and model.model_extra["max_model_len"] == 512
     assert httpx.get(f"{tiny_stack.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {"status": "ok", "workers": 1}
 
 
 def test_streamed_deltas_concatenate_to_the_whole_reply(

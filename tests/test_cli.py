@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from ops.embedded_redis import free_port
-from tests.stack import child_env
+from tests.stack import child_env, eventually
 
 
 def _session_members(sid: int) -> list[int]:
@@ -28,6 +29,11 @@ def _session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def _in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_help_explains_every_command() -> None:
@@ -47,15 +53,17 @@ def test_api_without_redis_url_refuses_to_start() -> None:
     assert result.returncode == 2 and "REDIS_URL" in result.stderr
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(("how", "replicas", "workers"), [("ctrl-c", 1, 1), ("sigterm", 2, 2)])
 def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
-    tiny_model: Path, how: str
+    tiny_model: Path, how: str, replicas: int, workers: int
 ) -> None:
     port = free_port()
+    while any(_in_use(port + i) for i in range(replicas)):
+        port = free_port()
     # No REDIS_URL: `up` must start its own Valkey.
     up = subprocess.Popen(
         [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model", str(tiny_model),
-         "--served-model-name", "tiny"],
+         "--served-model-name", "tiny", "--replicas", str(replicas), "--workers", str(workers)],
         env=child_env(None, "rsup"), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
@@ -70,13 +78,16 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
                 pass
             assert time.monotonic() < deadline, "redserve up never became healthy"
             time.sleep(0.25)
-        assert len(_session_members(up.pid)) >= 4  # up, valkey, api, worker
-
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
-        )
-        assert reply.choices[0].finish_reason in ("length", "stop")
+        # up, valkey, the replicas, the workers
+        assert len(_session_members(up.pid)) == 2 + replicas + workers
+        for i in range(replicas):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port + i}/v1", api_key="x")
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+            )
+            assert reply.choices[0].finish_reason in ("length", "stop")
+        assert eventually(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").json()
+                          .get("workers") == workers, 30)
 
         if how == "ctrl-c":
             os.killpg(up.pid, signal.SIGINT)  # a terminal sends it to the whole group
@@ -87,8 +98,9 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
         while _session_members(up.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _session_members(up.pid) == []
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+        for i in range(replicas):
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=1)
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)

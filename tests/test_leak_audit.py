@@ -125,10 +125,12 @@ def test_500_mixed_requests_leave_nothing_behind(
             assert kinds[-1] in (b"finish", b"error"), rid
 
         # Every key carries a TTL, except the shared, trimmed request stream and the worker's
-        # heartbeat (refreshed while it lives).
+        # heartbeat and registry entry (refreshed while it lives).
+        worker_keys = (keys.worker("").encode(), keys.workers("").encode())
+
         def request_keys() -> list[bytes]:
             return [k for k in sync_redis.scan_iter(match=f"{stack.prefix}:*", count=1000)
-                    if k != keys.requests.encode() and b":worker:" not in k]
+                    if k != keys.requests.encode() and not k.startswith(worker_keys)]
 
         for key in request_keys():
             assert sync_redis.ttl(key) > 0, key

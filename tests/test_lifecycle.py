@@ -318,7 +318,10 @@ def test_sigterm_lets_the_worker_finish_running_and_hand_back_the_rest(
         for t in threads:
             t.start()
             time.sleep(0.3)
+        assert httpx.get(f"{stack.base_url}/ready").status_code == 200
         stack.worker_proc().send_signal(signal.SIGTERM)
+        # A draining worker no longer makes the replica ready.
+        assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 503, 5)
         assert stack.worker_proc().wait(30) == 0
         # The waiting request went back on the stream, under the same id.
         ids = [f[b"id"] for _, f in sync_redis.xrange(Keys(stack.prefix).requests)]

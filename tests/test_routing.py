@@ -41,6 +41,12 @@ async def _stream_text(client: httpx.AsyncClient, content: str) -> tuple[str, li
     return text, chunks
 
 
+def test_not_ready_without_a_live_worker(api_only: Stack) -> None:
+    assert httpx.get(f"{api_only.base_url}/health").status_code == 200
+    ready = httpx.get(f"{api_only.base_url}/ready")
+    assert ready.status_code == 503 and "no live worker" in ready.json()["status"]
+
+
 async def test_interleaved_results_reach_only_their_own_request(
     api_only: Stack, sync_redis: redis.Redis, tiny_model: Path
 ) -> None:

@@ -97,6 +97,7 @@ class WorkerService:
 
     async def _drain(self) -> None:
         """Stop taking requests; hand back those not started; let running ones finish."""
+        await self._beat()  # no longer counted as a live worker
         for seq in self.engine.drop_waiting():
             self.publisher.stage_hand_back(seq.request)
             self.metrics.handed_back.inc()
@@ -228,23 +229,36 @@ class WorkerService:
                 raise
 
     async def _heartbeat(self) -> None:
-        key = self.keys.worker(self.name)
-        ttl = self.settings.heartbeat_ttl_s
         while True:
-            body = {
-                "model": self.info.name,
-                "capacity": self.settings.max_running,
-                "running": len(self.engine.running),
-                "waiting": len(self.engine.waiting),
-                "kv_tokens_free": self.engine.kv.total_tokens - self.engine.kv.used_tokens,
-                "device": str(self.engine.runner.device),
-                "draining": self.stopping.is_set(),
-            }
-            try:
-                await self.clients.commands.set(key, orjson.dumps(body), ex=ttl)
-            except aioredis.RedisError as e:
-                log.warning("heartbeat failed: %s", e)
-            await asyncio.sleep(ttl / 3)
+            await self._beat()
+            await asyncio.sleep(self.settings.heartbeat_ttl_s / 3)
+
+    async def _beat(self) -> None:
+        """Announce this worker: its status key, and its place among the model's live workers
+        (which API replicas read for /ready) unless it is draining."""
+        ttl = self.settings.heartbeat_ttl_s
+        draining = self.stopping.is_set()
+        body = {
+            "model": self.info.name,
+            "capacity": self.settings.max_running,
+            "running": len(self.engine.running),
+            "waiting": len(self.engine.waiting),
+            "kv_tokens_free": self.engine.kv.total_tokens - self.engine.kv.used_tokens,
+            "device": str(self.engine.runner.device),
+            "draining": draining,
+        }
+        workers = self.keys.workers(self.info.name)
+        pipe = self.clients.commands.pipeline(transaction=False)
+        pipe.set(self.keys.worker(self.name), orjson.dumps(body), ex=ttl)
+        if draining:
+            pipe.zrem(workers, self.name)
+        else:
+            pipe.zadd(workers, {self.name: time.time() + ttl})
+            pipe.expire(workers, ttl * 3)
+        try:
+            await pipe.execute()
+        except aioredis.RedisError as e:
+            log.warning("heartbeat failed: %s", e)
 
     async def _shutdown(self) -> None:
         # Past the grace period: every request still here ends with a terminal entry.
@@ -255,6 +269,7 @@ class WorkerService:
         try:
             await self.publisher.flush()
             await self.clients.commands.delete(self.keys.worker(self.name))
+            await self.clients.commands.zrem(self.keys.workers(self.info.name), self.name)
         except aioredis.RedisError as e:
             log.warning("could not publish shutdown: %s", e)
 
