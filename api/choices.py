@@ -3,7 +3,7 @@ ended. A request with `n` > 1 or several prompts has one `Choice` per generation
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from api.generation import Generation
@@ -50,7 +50,6 @@ class Choice:
     finish_reason: str | None = None
     tokens_seen: int = 0
     completion_tokens: int = 0
-    logprob_items: list[Any] = field(default_factory=list)
 
     def on_tokens(self, entry: Tokens) -> tuple[str, list[Any]]:
         """Text delta and logprob items for a tokens entry."""
@@ -93,7 +92,6 @@ class Choice:
                 })
             else:
                 items.append((token, logprob, {self.codec.token_text(i): lp for i, lp in top}))
-        self.logprob_items.extend(items)
         return items
 
 

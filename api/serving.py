@@ -117,9 +117,14 @@ async def generate(
         )
         for i, req in enumerate(requests)
     ]
+    # All choices enter the queue concurrently; if any is refused (or the client leaves
+    # meanwhile), none stays.
     try:
-        for choice in choices:
-            await choice.generation.start()
+        started = await asyncio.gather(*(c.generation.start() for c in choices),
+                                       return_exceptions=True)
+        failure = next((r for r in started if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
     except BaseException:
         await _close_all(choices)
         raise
@@ -255,12 +260,14 @@ async def _disconnected(request: Request) -> None:
 async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
                    ) -> dict[str, Any]:
     texts: dict[int, list[str]] = {c.index: [c.prefix] for c in choices}
+    logprobs: dict[int, list[Any]] = {c.index: [] for c in choices}
     async for choice, entry in _entries(choices):
         if choice.finish_reason is not None:
             continue
         if isinstance(entry, Tokens):
-            text, _ = choice.on_tokens(entry)
+            text, items = choice.on_tokens(entry)
             texts[choice.index].append(text)
+            logprobs[choice.index] += items
             if choice.finish_reason is not None:
                 await choice.generation.close("stop")
         elif isinstance(entry, Finish):
@@ -273,7 +280,7 @@ async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: in
         raise APIError(500, "result stream ended without a terminal entry", type="server_error")
     whole = [
         ("".join(texts[c.index]), c.finish_reason or "stop",
-         _logprobs(fmt, c.logprob_items, len(c.prefix)))
+         _logprobs(fmt, logprobs[c.index], len(c.prefix)))
         for c in choices
     ]
     completion = sum(c.completion_tokens for c in choices)

@@ -14,7 +14,7 @@ from worker.sampler import Row, make_generator, sample
 def _one(logits: list[float], output: tuple[int, ...] = (), prompt: tuple[int, ...] = (),
          **params: object) -> tuple[int, object]:
     p = SamplingParams(max_tokens=1, **{"temperature": 0.0, **params})  # type: ignore[arg-type]
-    row = Row(p, make_generator(p, torch.device("cpu")), prompt, output)
+    row = Row(p, make_generator(p, torch.device("cpu")), (*prompt, *output), len(prompt))
     [(token, logprob)] = sample(torch.tensor([logits]), [row])
     return token, logprob
 

@@ -157,8 +157,7 @@ class Engine:
             segments.append(Segment(seq.kv, len(seq.tokens) - 1, 1))
 
         logits = self.runner.forward(token_ids, segments)
-        rows = [Row(s.request.params, s.generator, s.request.prompt_ids, s.tokens[s.num_prompt:])
-                for s in batch]
+        rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in batch]
         chosen = sample(logits, rows)
         return [self._append(seq, token, logprob)
                 for seq, (token, logprob) in zip(batch, chosen, strict=True)]

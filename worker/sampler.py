@@ -19,8 +19,16 @@ from shared.messages import SamplingParams, TokenLogprob
 class Row:
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
+    tokens: Sequence[int]  # prompt, then output so far (read only when a penalty needs it)
+    num_prompt: int
+
+    @property
+    def prompt_ids(self) -> Sequence[int]:
+        return self.tokens[: self.num_prompt]
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        return self.tokens[self.num_prompt :]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -62,12 +70,13 @@ def _adjust(scores: torch.Tensor, row: Row) -> torch.Tensor:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=scores.device)
         scores[ids] += torch.tensor([b for _, b in p.logit_bias], device=scores.device)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), device=scores.device)
+        seen = torch.tensor(sorted(set(row.tokens)), device=scores.device)
         picked = scores[seen]
         scores[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
                                    picked * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-        counts = torch.bincount(torch.tensor(row.output_ids, device=scores.device),
+    output = row.output_ids if p.presence_penalty or p.frequency_penalty else ()
+    if output:
+        counts = torch.bincount(torch.tensor(output, device=scores.device),
                                 minlength=scores.shape[-1]).to(scores.dtype)
         scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
     return scores
