@@ -47,9 +47,11 @@ class Choice:
     chat: bool
     codec: TextCodec
     prefix: str = ""  # echoed prompt text, shown before the completion
+    prompt_index: int = 0  # which prompt of the request (n choices share one)
     finish_reason: str | None = None
     tokens_seen: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     def on_tokens(self, entry: Tokens) -> tuple[str, list[Any]]:
         """Text delta and logprob items for a tokens entry."""
@@ -74,6 +76,7 @@ class Choice:
             else:
                 tail += self.stops.flush()
         self.completion_tokens = entry.completion_tokens
+        self.cached_tokens = entry.cached_tokens
         return tail
 
     def _logprobs(self, entry: Tokens) -> list[Any]:

@@ -85,10 +85,10 @@ def json_response(
     return Response(orjson.dumps(body), status_code, headers, media_type="application/json")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

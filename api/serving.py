@@ -114,6 +114,7 @@ async def generate(
             chat=kind == "chat",
             codec=ctx.codec,
             prefix=echoes[i // body.n] if echoes else "",
+            prompt_index=i // body.n,
         )
         for i, req in enumerate(requests)
     ]
@@ -223,8 +224,7 @@ async def _stream(
                 failed = True
                 break
         if include_usage and not failed:
-            completion = sum(c.completion_tokens for c in choices)
-            yield _event(fmt.usage_chunk(usage(prompt_tokens, completion)))
+            yield _event(fmt.usage_chunk(_usage(choices, prompt_tokens)))
         yield _event("[DONE]")
     finally:
         await _close_all(choices)
@@ -283,5 +283,13 @@ async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: in
          _logprobs(fmt, logprobs[c.index], len(c.prefix)))
         for c in choices
     ]
+    return fmt.whole(whole, _usage(choices, prompt_tokens))
+
+
+def _usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+    # Each prompt is counted once however many choices share it; so is its cache reuse.
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
     completion = sum(c.completion_tokens for c in choices)
-    return fmt.whole(whole, usage(prompt_tokens, completion))
+    return usage(prompt_tokens, completion, sum(cached.values()))

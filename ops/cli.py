@@ -47,8 +47,13 @@ def _worker_options(p: argparse.ArgumentParser) -> None:
                    "cuda, cuda:N [env REDSERVE_DEVICE]")
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
-    p.add_argument("--kv-cache-bytes", type=int, help="KV cache budget in bytes (default 2 GiB) "
-                   "[env REDSERVE_KV_CACHE_BYTES]")
+    p.add_argument("--kv-cache-memory", type=float, help="KV page pool: bytes, or a fraction "
+                   "(<= 1) of free device memory (default 1 GiB) [env REDSERVE_KV_CACHE_MEMORY]")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default 16) "
+                   "[env REDSERVE_PAGE_SIZE]")
+    p.add_argument("--max-prefill-tokens", type=int, help="prompt tokens per step; longer "
+                   "prompts run in chunks (default 512 on CPU, 8192 on CUDA) "
+                   "[env REDSERVE_MAX_PREFILL_TOKENS]")
 
 
 def _positive(text: str) -> int:
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         run_api(_settings(args, "host", "port", "model", "served_model_name"))
     elif args.command == "worker":
         run_worker(_settings(args, "model", "served_model_name", "device", "max_running",
-                             "kv_cache_bytes", "worker_name", "metrics_port"))
+                             "kv_cache_memory", "page_size", "max_prefill_tokens",
+                             "worker_name", "metrics_port"))
     else:
         sys.exit(run_up(args))
 
@@ -143,8 +149,10 @@ def run_up(args: argparse.Namespace) -> int:
         env["REDIS_URL"] = embedded.start()
         console.print(f"embedded Valkey at {env['REDIS_URL']}")
     passthrough = ["--model", str(info.path), "--served-model-name", info.name]
-    worker_flags = [f for name, flag in (("device", "--device"), ("max_running", "--max-running"),
-                                         ("kv_cache_bytes", "--kv-cache-bytes"))
+    flags = (("device", "--device"), ("max_running", "--max-running"),
+             ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
+             ("max_prefill_tokens", "--max-prefill-tokens"))
+    worker_flags = [f for name, flag in flags
                     if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
     me = [sys.executable, "-m", "ops.cli"]
     ports = [settings.port + i for i in range(args.replicas)]

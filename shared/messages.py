@@ -88,6 +88,7 @@ class Finish:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -95,6 +96,7 @@ class Finish:
             "finish_reason": self.finish_reason,
             "prompt_tokens": str(self.prompt_tokens),
             "completion_tokens": str(self.completion_tokens),
+            "cached_tokens": str(self.cached_tokens),
         }
 
 
@@ -125,7 +127,8 @@ def decode_result(fields: dict[bytes, bytes]) -> ResultEntry:
         reason = f["finish_reason"]
         if reason not in ("stop", "length", "abort"):
             raise ValueError(f"unknown finish_reason {reason!r}")
-        return Finish(reason, int(f["prompt_tokens"]), int(f["completion_tokens"]))  # type: ignore[arg-type]
+        return Finish(reason, int(f["prompt_tokens"]), int(f["completion_tokens"]),  # type: ignore[arg-type]
+                      int(f.get("cached_tokens", "0")))
     if kind == "error":
         return Error(message=f["message"], type=f["type"], code=f["code"])
     raise ValueError(f"unknown result entry kind {kind!r}")

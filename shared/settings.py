@@ -55,10 +55,16 @@ class Settings(BaseSettings):
     worker_name: str | None = None
     device: str = "auto"
     max_running: int = Field(default=32, ge=1)
-    # Prompt tokens prefilled in one step (a lone prompt longer than this still runs alone).
-    max_prefill_tokens: int = Field(default=2048, ge=16)
-    # KV cache budget, in bytes.
-    kv_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
+    # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
+    # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on
+    # CPU, 8192 on CUDA).
+    max_prefill_tokens: int = Field(default=0, ge=0)
+    # KV page pool, allocated once at start: bytes when above 1, else a fraction of the
+    # device's free memory (of available RAM on CPU).
+    kv_cache_memory: float = Field(default=1024**3, gt=0)
+    page_size: int = Field(default=16, ge=1, le=1024)
+    # Reuse the full KV pages of shared prompt prefixes across requests.
+    prefix_caching: bool = True
     heartbeat_ttl_s: int = Field(default=10, ge=2)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)

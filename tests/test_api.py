@@ -56,7 +56,13 @@ def test_streamed_deltas_concatenate_to_the_whole_reply(
                                                       return_dict=False))
     assert whole.usage is not None and usage_chunk.usage is not None
     assert whole.usage.prompt_tokens == prompt_tokens
-    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert usage_chunk.choices == []
+    streamed_usage = usage_chunk.usage
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(streamed_usage, field) == getattr(whole.usage, field)
+    # The same prompt a second time: its full KV pages come from the worker's prefix cache.
+    assert streamed_usage.prompt_tokens_details is not None
+    assert streamed_usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
     if whole.choices[0].finish_reason == "length":
         assert whole.usage.completion_tokens == 24
     assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens

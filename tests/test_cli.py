@@ -43,7 +43,8 @@ def test_help_explains_every_command() -> None:
         assert "usage: redserve" in out
     worker_help = subprocess.run([sys.executable, "-m", "ops.cli", "worker", "--help"],
                                  capture_output=True, text=True, check=True).stdout
-    for option in ("--model", "--device", "--max-running", "--kv-cache-bytes", "--name"):
+    for option in ("--model", "--device", "--max-running", "--kv-cache-memory", "--page-size",
+                   "--max-prefill-tokens", "--name"):
         assert option in worker_help
 
 

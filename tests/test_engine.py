@@ -1,4 +1,6 @@
-"""The worker's batching engine against transformers' own `generate`, token for token."""
+"""The worker's batching engine against transformers' own `generate`, token for token, and
+its paged KV cache: prefix reuse, preemption and chunked prefill change nothing in the output,
+and every page goes back."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
-from worker.engine import AdmissionError, Engine
+from worker.engine import AdmissionError, Engine, EngineConfig
+from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
 
 
@@ -29,13 +34,23 @@ def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> Ge
     )
 
 
-def _engine(model: PreTrainedModel, **kw: object) -> Engine:
-    args: dict[str, object] = dict(
-        eos_token_ids=(), max_running=8, max_prefill_tokens=64, kv_cache_bytes=2**26,
-        max_model_len=model.config.max_position_embeddings,
-    )
-    args.update(kw)
-    return Engine(ModelRunner(model), **args)  # type: ignore[arg-type]
+def _engine(model: PreTrainedModel, *, pages: int = 256, page_size: int = 4,
+            step_tokens: int = 64, max_running: int = 8, prefix_caching: bool = True,
+            eos_token_ids: tuple[int, ...] = ()) -> Engine:
+    runner = ModelRunner(model)
+    config = EngineConfig(max_running=max_running, max_step_tokens=step_tokens,
+                          max_model_len=model.config.max_position_embeddings,
+                          page_size=page_size, prefix_caching=prefix_caching)
+    return Engine(runner, KVPool(runner.kv_shape, pages, page_size), config,
+                  eos_token_ids=eos_token_ids)
+
+
+def _assert_pages_back(engine: Engine) -> None:
+    """No request holds a page; the rest is free or held by the prefix cache alone."""
+    engine.pages.check()
+    assert not engine.running and not engine.waiting
+    assert engine.pages.in_use == 0
+    assert engine.pages.available == engine.pages.num_pages
 
 
 def _run(engine: Engine, joins: dict[int, list[GenerateRequest]]) -> dict[str, list[int | None]]:
@@ -65,25 +80,92 @@ def _tiny(kind: str) -> PreTrainedModel:
                   max_position_embeddings=256)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()  # type: ignore[arg-type]
+    if kind == "qwen2":  # q/k/v biases
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()  # type: ignore[arg-type]
     return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str) -> None:
-    model = _tiny(kind)
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 70)), [7], list(range(100, 117)), [9, 9, 9]]
-    joins = {
-        0: [_request(0, prompts[0], 24), _request(1, prompts[1], 12)],
-        3: [_request(2, prompts[2], 20)],
-        5: [_request(3, prompts[3], 16), _request(4, prompts[4], 1)],
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 70)), [7], list(range(100, 117)), [9, 9, 9],
+           # shares its first 40 tokens with the second prompt
+           [*range(10, 50), 200, 201, 202]]
+
+
+def _joins() -> dict[int, list[GenerateRequest]]:
+    return {
+        0: [_request(0, PROMPTS[0], 24), _request(1, PROMPTS[1], 12)],
+        3: [_request(2, PROMPTS[2], 20)],
+        5: [_request(3, PROMPTS[3], 16), _request(4, PROMPTS[4], 1)],
+        9: [_request(5, PROMPTS[5], 10)],
     }
-    engine = _engine(model)
+
+
+def _check_against_generate(model: PreTrainedModel, engine: Engine) -> None:
+    joins = _joins()
     got = _run(engine, joins)
     for reqs in joins.values():
         for req in reqs:
             want = _hf_greedy(model, list(req.prompt_ids), req.params.max_tokens)
             assert got[req.id] == want, req.id
-    assert engine.kv.used_tokens == 0 and not engine.running and not engine.waiting
+    _assert_pages_back(engine)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str) -> None:
+    model = _tiny(kind)
+    _check_against_generate(model, _engine(model))
+
+
+def test_prefix_reuse_preemption_and_chunking_change_no_output() -> None:
+    model = _tiny("llama")
+
+    no_cache = _engine(model, prefix_caching=False)
+    _check_against_generate(model, no_cache)
+    assert no_cache.pages.cached == 0
+
+    cached = _engine(model)
+    _check_against_generate(model, cached)
+    assert cached.pages.cached > 0  # full pages kept for reuse, held by no request
+
+    # 20 pages of 4 tokens: less than the requests need together, so some are preempted
+    # (pages freed, recomputed later) while the others go on.
+    tight = _engine(model, pages=20)
+    _check_against_generate(model, tight)
+    assert tight.num_preempted > 0
+
+    # 5 prompt tokens a step: the 60-token prompt takes 12 steps of prefill, beside decodes.
+    chunked = _engine(model, step_tokens=5)
+    _check_against_generate(model, chunked)
+
+    both = _engine(model, pages=40, step_tokens=3, page_size=2, max_running=3)
+    _check_against_generate(model, both)
+    assert both.num_preempted > 0
+
+
+def test_prefix_cache_reports_reuse_and_evicts_least_recently_used() -> None:
+    model = _tiny("llama")
+    engine = _engine(model, pages=24)
+    shared = list(range(300, 340))  # 10 full pages
+
+    first = _run(engine, {0: [_request(0, [*shared, 1, 2], 4)]})
+    outputs = engine_outputs(engine, _request(1, [*shared, 7, 8, 9], 4))
+    assert outputs[-1].cached_tokens == 40
+    assert [o.token for o in outputs] == _hf_greedy(model, [*shared, 7, 8, 9], 4)
+    assert first["t-0"] == _hf_greedy(model, [*shared, 1, 2], 4)
+
+    # A request needing every page evicts the cached ones rather than wait forever.
+    big = engine_outputs(engine, _request(2, list(range(500, 580)), 12))
+    assert big[-1].finish == "length" and big[-1].cached_tokens == 0
+    again = engine_outputs(engine, _request(3, [*shared, 7, 8, 9], 4))
+    assert again[-1].cached_tokens < 40  # its pages were evicted for the big request
+    _assert_pages_back(engine)
+
+
+def engine_outputs(engine: Engine, request: GenerateRequest) -> list:  # type: ignore[type-arg]
+    engine.add(request)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    return outputs
 
 
 def test_eos_stops_with_stop_and_is_not_shown() -> None:
@@ -92,10 +174,7 @@ def test_eos_stops_with_stop_and_is_not_shown() -> None:
     reference = _hf_greedy(model, prompt, 6)
     eos = reference[3]  # pretend the 4th greedy token is EOS
     engine = _engine(model, eos_token_ids=(eos,))
-    engine.add(_request(0, prompt, 6))
-    outputs = []
-    while engine.has_work():
-        outputs += engine.step()
+    outputs = engine_outputs(engine, _request(0, prompt, 6))
     first_eos = reference.index(eos)
     assert [o.token for o in outputs] == [*reference[:first_eos], None]
     assert outputs[-1].finish == "stop"
@@ -106,30 +185,30 @@ def test_ignore_eos_runs_to_length() -> None:
     model = _tiny("llama")
     reference = _hf_greedy(model, [5, 6, 7], 6)
     engine = _engine(model, eos_token_ids=(reference[0],))
-    engine.add(_request(0, [5, 6, 7], 6, ignore_eos=True))
-    outputs = []
-    while engine.has_work():
-        outputs += engine.step()
+    outputs = engine_outputs(engine, _request(0, [5, 6, 7], 6, ignore_eos=True))
     assert [o.token for o in outputs] == reference
     assert outputs[-1].finish == "length"
 
 
-def test_abort_frees_kv_and_budget_bounds_admission() -> None:
+def test_abort_frees_pages_and_pool_bounds_admission() -> None:
     model = _tiny("llama")
-    per_token = ModelRunner(model).kv_shape.bytes_per_token()
-    engine = _engine(model, kv_cache_bytes=per_token * 40)
-    engine.add(_request(0, [1] * 10, 20))  # needs 30 tokens
-    engine.add(_request(1, [2] * 10, 20))  # must wait: 60 > 40
+    engine = _engine(model, pages=10, prefix_caching=False)  # 40 tokens
+    engine.add(_request(0, [1] * 30, 8))
+    engine.add(_request(1, [2] * 30, 8))  # its prompt's pages are not free: it waits
     engine.step()
     assert list(engine.running) == ["t-0"] and len(engine.waiting) == 1
-    assert engine.kv.used_tokens == 30
+    assert engine.pages.in_use == 8  # 31 tokens so far
     assert engine.abort("t-0")
-    assert engine.kv.used_tokens == 0
+    assert engine.pages.in_use == 0
     engine.step()
     assert list(engine.running) == ["t-1"]
-    assert engine.abort("t-1") and engine.kv.used_tokens == 0
+    assert engine.abort("t-1")
+    _assert_pages_back(engine)
     with pytest.raises(AdmissionError):
         engine.add(_request(2, [3] * 30, 20))  # 50 tokens can never fit in 40
+    pool = engine.pool.k
+    engine_outputs(engine, _request(3, [4] * 20, 20))
+    assert engine.pool.k is pool and pool.shape[1] == 10  # the pool never grows
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
@@ -139,8 +218,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
         0: [_request(1, [8, 8], 12, temperature=1.0, seed=1)],
         1: [_request(0, [4, 5, 6], 12, temperature=0.9, seed=7)],
         2: [_request(2, [3], 12, temperature=0.5, top_p=0.8, top_k=20)],
+        3: [_request(3, list(range(20, 50)), 12)],
     })
     assert alone["t-0"] == crowd["t-0"]
+    squeezed = _run(_engine(model, pages=12, step_tokens=4), {
+        0: [_request(3, list(range(20, 50)), 12), _request(0, [4, 5, 6], 12, temperature=0.9,
+                                                             seed=7)],
+    })
+    assert alone["t-0"] == squeezed["t-0"]
 
 
 @pytest.mark.smollm2
@@ -155,7 +240,10 @@ def test_smollm2_greedy_matches_generate(smollm2: ModelInfo) -> None:
     ]
     joins = {0: [_request(0, prompts[0], 24)], 2: [_request(1, prompts[1], 24),
                                                    _request(2, prompts[2], 24)]}
-    got = _run(_engine(model, max_prefill_tokens=512), joins)
+    # The three share the chat template's system prompt: the later two reuse its pages.
+    engine = _engine(model, page_size=16, step_tokens=512)
+    got = _run(engine, joins)
     for reqs in joins.values():
         for req in reqs:
             assert got[req.id] == _hf_greedy(model, list(req.prompt_ids), 24), req.id
+    _assert_pages_back(engine)

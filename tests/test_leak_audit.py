@@ -104,7 +104,7 @@ def test_500_mixed_requests_leave_nothing_behind(
         api = scrape(api_metrics)
         assert api["redserve_api_result_queues"] == 0
         assert api["redserve_api_buffered_results"] == 0
-        assert eventually(lambda: scrape(worker_metrics)["redserve_worker_kv_tokens_used"] == 0)
+        assert eventually(lambda: scrape(worker_metrics)["redserve_worker_kv_pages_used"] == 0)
         worker = scrape(worker_metrics)
         assert worker["redserve_worker_running_requests"] == 0
         assert worker["redserve_worker_waiting_requests"] == 0

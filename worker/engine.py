@@ -1,5 +1,14 @@
-"""Continuous batching: requests join and leave between steps; each step is one forward pass
-over every running request's next token plus the prompts admitted this step.
+"""Continuous batching over the paged KV cache.
+
+Requests join and leave between steps. Each step schedules, in order:
+1. one decode token for every running request whose prompt is done (oldest first); when no
+   page is left for one, the newest running request is preempted: its pages go back and it
+   returns to the head of the queue, to be recomputed (cheaply, from its published pages);
+2. the next chunk of every request still in prefill, under the per-step token budget;
+3. new requests from the queue, while the budget, the running cap and the free pages allow;
+   each first takes whatever full pages of its prompt the prefix cache holds.
+Then one forward pass runs every chunk, and a token is sampled for each request whose chunk
+reached the end of its tokens.
 
 Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
 `step` runs on the compute thread.
@@ -13,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.messages import FinishReason, GenerateRequest, TokenLogprob
-from worker.kv_cache import KVBudget, RequestKV
-from worker.model_runner import ModelRunner, Segment
+from worker.kv_cache import KVPool
+from worker.model_runner import Chunk, ModelRunner
+from worker.pages import PageManager
 from worker.sampler import Row, make_generator, sample
 
 
@@ -28,8 +38,12 @@ class Sequence:
     tokens: list[int]
     capacity: int  # prompt + completion tokens this request may hold
     generator: torch.Generator | None
-    kv: RequestKV | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    pages: list[int] = field(default_factory=list)  # the page table
+    page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full pages
+    num_computed: int = 0  # tokens whose KV is in its pages
+    num_cached: int = 0  # prompt tokens taken from the prefix cache at first admission
+    admitted: bool = False
 
     @property
     def num_prompt(self) -> int:
@@ -49,27 +63,31 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     logprob: TokenLogprob | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int
+    max_step_tokens: int  # prefill tokens scheduled per step, beside the decode tokens
+    max_model_len: int
+    page_size: int = 16
+    prefix_caching: bool = True
 
 
 class Engine:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        *,
-        eos_token_ids: tuple[int, ...],
-        max_running: int,
-        max_prefill_tokens: int,
-        kv_cache_bytes: int,
-        max_model_len: int,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, pool: KVPool, config: EngineConfig, *,
+                 eos_token_ids: tuple[int, ...]) -> None:
         self.runner = runner
+        self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_model_len = max_model_len
-        self.kv = KVBudget(runner.kv_shape, kv_cache_bytes)
+        runner.attach(pool)
+        self.pool = pool
+        self.pages = PageManager(pool.num_pages, pool.page_size,
+                                 prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # in admission order: the last is the newest
+        self.num_preempted = 0
 
     @property
     def num_requests(self) -> int:
@@ -89,16 +107,17 @@ class Engine:
 
     def add(self, request: GenerateRequest) -> None:
         params = request.params
-        capacity = min(len(request.prompt_ids) + params.max_tokens, self.max_model_len)
-        if len(request.prompt_ids) >= self.max_model_len:
+        num_prompt = len(request.prompt_ids)
+        if num_prompt >= self.config.max_model_len:
             raise AdmissionError(
-                f"prompt has {len(request.prompt_ids)} tokens; the model's context is "
-                f"{self.max_model_len}"
+                f"prompt has {num_prompt} tokens; the model's context is "
+                f"{self.config.max_model_len}"
             )
-        if capacity > self.kv.total_tokens:
+        capacity = min(num_prompt + params.max_tokens, self.config.max_model_len)
+        if self.pages.pages_for(capacity) > self.pages.num_pages:
             raise AdmissionError(
-                f"request needs {capacity} tokens of KV cache; this worker holds "
-                f"{self.kv.total_tokens}"
+                f"request needs up to {capacity} tokens of KV cache; this worker holds "
+                f"{self.pages.num_pages * self.pages.page_size}"
             )
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -114,70 +133,139 @@ class Engine:
         )
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and free its KV now. True if it was here."""
+        """Drop a request and free its pages now. True if it was here."""
         seq = self.running.pop(request_id, None)
         if seq is None:
             for i, waiting in enumerate(self.waiting):
                 if waiting.request.id == request_id:
                     del self.waiting[i]
+                    self._release(waiting)
                     return True
             return False
         self._release(seq)
         return True
 
     def drop_running(self) -> list[Sequence]:
-        """Remove every running request (after a failed step) and free its KV."""
+        """Remove every running request (after a failed step) and free its pages."""
         dropped = list(self.running.values())
         for seq in dropped:
             self._release(seq)
         self.running.clear()
         return dropped
 
-    def drop_waiting(self) -> list[Sequence]:
-        dropped = list(self.waiting)
-        self.waiting.clear()
+    def drop_waiting(self, *, unstarted_only: bool = False) -> list[Sequence]:
+        """Remove queued requests; with `unstarted_only`, keep the preempted ones (they have
+        published tokens, so only this engine can finish them without a repeat)."""
+        dropped = [s for s in self.waiting if not (unstarted_only and s.admitted)]
+        for seq in dropped:
+            self._release(seq)
+        self.waiting = deque(s for s in self.waiting if unstarted_only and s.admitted)
         return dropped
 
     def step(self) -> list[StepOutput]:
-        prefill = self._admit()
-        fresh = {id(s) for s in prefill}
-        decode = [s for s in self.running.values() if id(s) not in fresh]
-        batch = prefill + decode
+        decodes = self._schedule_decodes()
+        prefills = self._schedule_prefills(self.config.max_step_tokens, {id(s) for s, _ in decodes})
+        # The runner takes multi-token chunks first; a prompt's last token after a cached
+        # prefix is shaped like a decode token and runs with them.
+        batch = sorted(prefills + decodes, key=lambda it: it[0].num_computed > 0 and it[1] == 1)
         if not batch:
             return []
-        token_ids: list[int] = []
-        segments: list[Segment] = []
-        for seq in prefill:
-            assert seq.kv is not None
-            token_ids.extend(seq.tokens)
-            segments.append(Segment(seq.kv, 0, len(seq.tokens)))
-        for seq in decode:
-            assert seq.kv is not None
-            token_ids.append(seq.tokens[-1])
-            segments.append(Segment(seq.kv, len(seq.tokens) - 1, 1))
+        chunks = []
+        for seq, n in batch:
+            end = seq.num_computed + n
+            chunks.append(Chunk(seq.tokens[seq.num_computed : end], seq.num_computed, seq.pages,
+                                sample=end == len(seq.tokens)))
+        logits = self.runner.forward(chunks)
 
-        logits = self.runner.forward(token_ids, segments)
-        rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in batch]
+        sampled: list[Sequence] = []
+        for (seq, n), chunk in zip(batch, chunks, strict=True):
+            seq.num_computed += n
+            self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed)
+            if chunk.sample:
+                sampled.append(seq)
+        rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
         chosen = sample(logits, rows)
         return [self._append(seq, token, logprob)
-                for seq, (token, logprob) in zip(batch, chosen, strict=True)]
+                for seq, (token, logprob) in zip(sampled, chosen, strict=True)]
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        prefill_tokens = 0
-        while self.waiting and len(self.running) < self.max_running:
+    def _schedule_decodes(self) -> list[tuple[Sequence, int]]:
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running.values()):
+            if seq.request.id not in self.running or len(seq.tokens) - seq.num_computed != 1:
+                continue  # preempted below, or still in prefill
+            while not self._reserve(seq, len(seq.tokens)):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, 1))
+        return scheduled
+
+    def _schedule_prefills(self, budget: int, busy: set[int]) -> list[tuple[Sequence, int]]:
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running.values()):
+            remaining = len(seq.tokens) - seq.num_computed
+            if seq.request.id not in self.running or remaining <= 1 or budget <= 0:
+                continue
+            n = self._fit(seq, min(remaining, budget))
+            while n == 0:
+                # Out of pages with prompts half-done: the newest request not yet in this step
+                # makes room (possibly this one), so some prefill always progresses.
+                victim = next(s for s in reversed(self.running.values()) if id(s) not in busy)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                n = self._fit(seq, min(remaining, budget))
+            if n:
+                scheduled.append((seq, n))
+                busy.add(id(seq))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            if admitted and prefill_tokens + len(seq.tokens) > self.max_prefill_tokens:
-                break
-            kv = self.kv.try_allocate(seq.capacity)
-            if kv is None:
-                break  # wait for running requests to finish and free their KV
-            seq.kv = kv
+            if not seq.pages:
+                seq.pages, seq.page_keys = self.pages.match(seq.tokens)
+                seq.num_computed = len(seq.pages) * self.pages.page_size
+                if not seq.admitted:
+                    seq.num_cached = seq.num_computed
+            # Admit only a prompt whose every page is free now, so that half-done prompts
+            # don't crowd each other out; its first chunk may still be smaller.
+            if self.pages.pages_for(len(seq.tokens)) - len(seq.pages) > self.pages.available:
+                self._release(seq)  # hold no cached pages while waiting
+                break  # for running requests to free pages
+            n = self._fit(seq, min(len(seq.tokens) - seq.num_computed, budget))
             self.waiting.popleft()
+            seq.admitted = True
             self.running[seq.request.id] = seq
-            admitted.append(seq)
-            prefill_tokens += len(seq.tokens)
-        return admitted
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Reserve pages for up to `n` more tokens of `seq`; returns how many fit."""
+        page_size = self.pages.page_size
+        room = (len(seq.pages) + self.pages.available) * page_size - seq.num_computed
+        n = min(n, room)
+        if n > 0:
+            self._reserve(seq, seq.num_computed + n)
+        return max(n, 0)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s page table cover `num_tokens` tokens."""
+        needed = self.pages.pages_for(num_tokens) - len(seq.pages)
+        if needed <= 0:
+            return True
+        pages = self.pages.allocate(needed)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.request.id]
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.num_preempted += 1
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.tokens.append(token)
@@ -199,9 +287,11 @@ class Engine:
             prompt_tokens=seq.num_prompt,
             completion_tokens=seq.num_output,
             logprob=logprob if shown is not None else None,
+            cached_tokens=seq.num_cached,
         )
 
     def _release(self, seq: Sequence) -> None:
-        if seq.kv is not None:
-            self.kv.release(seq.kv)
-            seq.kv = None
+        self.pages.release(seq.pages)
+        seq.pages = []
+        seq.page_keys = []
+        seq.num_computed = 0

@@ -1,8 +1,8 @@
-"""Per-request KV storage: one contiguous K and V buffer per request, sized at admission.
+"""The paged KV cache: one K and one V page pool per layer, allocated once at start.
 
-A request's whole length (prompt + max_tokens) is known when it is admitted, so its buffer is
-allocated once and written in place; the engine admits requests only while the sum of those
-sizes stays under the configured byte budget, so memory stays bounded.
+A page holds `page_size` consecutive tokens of one request; a request's page table lists its
+pages in order, so token `i` lives in slot `pages[i // page_size] * page_size + i % page_size`.
+The pool never grows: serving only hands pages out and takes them back (`worker/pages.py`).
 """
 
 from __future__ import annotations
@@ -25,27 +25,40 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
-class RequestKV:
-    def __init__(self, shape: KVShape, capacity: int) -> None:
-        size = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
-        self.k = torch.empty(size, dtype=shape.dtype, device=shape.device)
-        self.v = torch.empty(size, dtype=shape.dtype, device=shape.device)
-        self.capacity = capacity
+def budget_bytes(setting: float, device: torch.device) -> int:
+    """`setting` is bytes when above 1, else a fraction of the device's free memory."""
+    if setting > 1:
+        return int(setting)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _available_ram()
+    return int(free * setting)
 
 
-class KVBudget:
-    """Counts the tokens of KV held by admitted requests against a fixed budget."""
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
-    def __init__(self, shape: KVShape, budget_bytes: int) -> None:
+
+class KVPool:
+    def __init__(self, shape: KVShape, num_pages: int, page_size: int) -> None:
+        if num_pages < 1:
+            raise ValueError("the KV cache budget is smaller than one page")
         self.shape = shape
-        self.total_tokens = budget_bytes // shape.bytes_per_token()
-        self.used_tokens = 0
+        self.num_pages = num_pages
+        self.page_size = page_size
+        size = (shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros(size, dtype=shape.dtype, device=shape.device)
+        self.v = torch.zeros(size, dtype=shape.dtype, device=shape.device)
 
-    def try_allocate(self, capacity: int) -> RequestKV | None:
-        if self.used_tokens + capacity > self.total_tokens:
-            return None
-        self.used_tokens += capacity
-        return RequestKV(self.shape, capacity)
+    @classmethod
+    def from_budget(cls, shape: KVShape, budget: int, page_size: int) -> KVPool:
+        return cls(shape, budget // (shape.bytes_per_token() * page_size), page_size)
 
-    def release(self, kv: RequestKV) -> None:
-        self.used_tokens -= kv.capacity
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

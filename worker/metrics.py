@@ -1,5 +1,6 @@
 """Prometheus metrics of one worker, served on `--metrics-port`: the same leak audit as the
-API's from outside — running and waiting return to zero and every KV token to the pool."""
+API's from outside — running and waiting return to zero and every KV page to the pool (or to
+the prefix cache, which holds no request)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ class WorkerMetrics:
               registry=r).set_function(lambda: len(engine.running))
         Gauge("redserve_worker_waiting_requests", "Requests taken but not yet admitted",
               registry=r).set_function(lambda: len(engine.waiting))
-        Gauge("redserve_worker_kv_tokens_used", "KV cache tokens held by requests",
-              registry=r).set_function(lambda: engine.kv.used_tokens)
-        Gauge("redserve_worker_kv_tokens_total", "KV cache capacity in tokens",
-              registry=r).set_function(lambda: engine.kv.total_tokens)
+        Gauge("redserve_worker_kv_pages_used", "KV pages referenced by requests",
+              registry=r).set_function(lambda: engine.pages.in_use)
+        Gauge("redserve_worker_kv_pages_cached", "KV pages held only by the prefix cache",
+              registry=r).set_function(lambda: engine.pages.cached)
+        Gauge("redserve_worker_kv_pages_total", "KV pages in the pool",
+              registry=r).set_function(lambda: engine.pages.num_pages)
         self.steps = Counter("redserve_worker_steps_total", "Forward steps run", registry=r)
         self.step_failures = Counter("redserve_worker_step_failures_total",
                                      "Steps that raised; their requests ended with an error",
                                      registry=r)
         self.finished = Counter("redserve_worker_requests_finished_total",
                                 "Requests ended by this worker, by how", ["outcome"], registry=r)
+        self.preempted = Gauge("redserve_worker_preemptions", "Requests preempted so far "
+                               "(pages ran out; recomputed later)", registry=r)
+        self.preempted.set_function(lambda: engine.num_preempted)
         self.handed_back = Counter("redserve_worker_requests_handed_back_total",
                                    "Requests returned to the queue on shutdown", registry=r)
 

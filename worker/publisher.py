@@ -60,7 +60,8 @@ class Publisher:
                 logprobs = (out.logprob,) if out.logprob is not None else None
                 self._xadd(out.request_id, Tokens(out.index, (out.token,), logprobs).to_fields())
             if out.finish is not None:
-                finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens)
+                finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens,
+                                out.cached_tokens)
                 self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
                           {"completion_tokens": str(out.completion_tokens)})
 

@@ -43,21 +43,43 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLogprob | None]]:
-    """`logits` is [batch, vocab] in fp32; returns each row's token and, if asked, logprobs."""
-    out: list[tuple[int, TokenLogprob | None]] = []
-    for scores, row in zip(logits, rows, strict=True):
-        p = row.params
-        scores = _adjust(scores, row)
-        token = _draw(scores, p, row.generator)
-        logprob: TokenLogprob | None = None
-        if p.logprobs is not None:
-            logprobs = torch.log_softmax(scores, dim=-1)
-            top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
-            alternatives = (tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                            if top is not None else ())
-            logprob = (float(logprobs[token]), alternatives)
-        out.append((token, logprob))
-    return out
+    """`logits` is [batch, vocab] in fp32; returns each row's token and, if asked, logprobs.
+
+    Plain greedy rows (the common case in a large batch) take one batched argmax; the others
+    go row by row, each with its own generator, so a seeded request draws the same numbers
+    whatever else shares its batch.
+    """
+    out: list[tuple[int, TokenLogprob | None] | None] = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if _plain_greedy(row.params)]
+    if plain:
+        index = torch.tensor(plain, device=logits.device)
+        for i, token in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist(),
+                            strict=True):
+            out[i] = (token, None)
+    for i, (scores, row) in enumerate(zip(logits, rows, strict=True)):
+        if out[i] is None:
+            out[i] = _sample_row(scores, row)
+    return [o for o in out if o is not None]  # every row is filled by now
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty)
+
+
+def _sample_row(scores: torch.Tensor, row: Row) -> tuple[int, TokenLogprob | None]:
+    p = row.params
+    scores = _adjust(scores, row)
+    token = _draw(scores, p, row.generator)
+    logprob: TokenLogprob | None = None
+    if p.logprobs is not None:
+        logprobs = torch.log_softmax(scores, dim=-1)
+        top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+        alternatives = (tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                        if top is not None else ())
+        logprob = (float(logprobs[token]), alternatives)
+    return token, logprob
 
 
 def _adjust(scores: torch.Tensor, row: Row) -> torch.Tensor:

@@ -27,7 +27,8 @@ from shared.messages import Error, GenerateRequest
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect, stream_reply
 from shared.settings import Settings
-from worker.engine import AdmissionError, Engine, StepOutput
+from worker.engine import AdmissionError, Engine, EngineConfig, StepOutput
+from worker.kv_cache import KVPool, budget_bytes
 from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
@@ -50,14 +51,19 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype)
     model.to(device)  # type: ignore[arg-type]
-    return Engine(
-        ModelRunner(model),
-        eos_token_ids=info.eos_token_ids,
+    runner = ModelRunner(model, release_modules=True)
+    del model  # the runner holds the (fused) weights it needs
+    budget = budget_bytes(settings.kv_cache_memory, device)
+    pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
+    step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)
+    config = EngineConfig(
         max_running=settings.max_running,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        kv_cache_bytes=settings.kv_cache_bytes,
+        max_step_tokens=step_tokens,
         max_model_len=info.max_model_len,
+        page_size=settings.page_size,
+        prefix_caching=settings.prefix_caching,
     )
+    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
 
 
 class WorkerService:
@@ -98,12 +104,12 @@ class WorkerService:
     async def _drain(self) -> None:
         """Stop taking requests; hand back those not started; let running ones finish."""
         await self._beat()  # no longer counted as a live worker
-        for seq in self.engine.drop_waiting():
+        for seq in self.engine.drop_waiting(unstarted_only=True):
             self.publisher.stage_hand_back(seq.request)
             self.metrics.handed_back.inc()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.drain_grace_s
-        while self.engine.running and loop.time() < deadline:
+        while self.engine.has_work() and loop.time() < deadline:
             await self._step(read=False)
         await self.publisher.flush()
 
@@ -243,7 +249,8 @@ class WorkerService:
             "capacity": self.settings.max_running,
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
-            "kv_tokens_free": self.engine.kv.total_tokens - self.engine.kv.used_tokens,
+            "kv_pages_free": self.engine.pages.available,
+            "kv_pages_total": self.engine.pages.num_pages,
             "device": str(self.engine.runner.device),
             "draining": draining,
         }

@@ -1,0 +1,120 @@
+"""Page allocation with prefix reuse: a free list, reference counts and a hash-chained index.
+
+A full page is identified by its tokens and, through the chain, every token before it: its key
+is `hash((previous page's key, its tokens))`. Once computed, a full page is published under its
+key, so a later request whose prompt starts with the same tokens takes the page instead of
+recomputing it. Published pages nobody references stay cached until the free list runs dry;
+then the least recently released one is evicted and reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+ROOT_KEY = 0
+
+
+class PageManager:
+    def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = True) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+        self._page_by_key: dict[int, int] = {}
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (key, its tokens)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+
+    @property
+    def available(self) -> int:
+        """Pages that an allocation can take now (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached(self) -> int:
+        """Pages held only by the prefix cache."""
+        return len(self._evictable)
+
+    @property
+    def in_use(self) -> int:
+        """Pages referenced by at least one request."""
+        return self.num_pages - self.available
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The cached pages that start `tokens`, referenced for the caller, and their keys.
+
+        At least one token is always left over: the model must run on the last prompt token
+        to produce the first output token's logits.
+        """
+        pages: list[int] = []
+        keys: list[int] = []
+        if not self.prefix_caching:
+            return pages, keys
+        key = ROOT_KEY
+        for i in range((len(tokens) - 1) // self.page_size):
+            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+            key = hash((key, chunk))
+            page = self._page_by_key.get(key)
+            if page is None or self._key_of[page][1] != chunk:
+                break
+            pages.append(page)
+            keys.append(key)
+        for page in pages:
+            self._take(page)
+        return pages, keys
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > self.available:
+            return None
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                key, _tokens = self._key_of.pop(page)
+                del self._page_by_key[key]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def publish(self, tokens: Sequence[int], pages: Sequence[int], keys: list[int],
+                num_computed: int) -> None:
+        """Publish the request's newly completed full pages; `keys` (the request's chain so
+        far) is extended in place."""
+        if not self.prefix_caching:
+            return
+        key = keys[-1] if keys else ROOT_KEY
+        for i in range(len(keys), num_computed // self.page_size):
+            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+            key = hash((key, chunk))
+            keys.append(key)
+            page = pages[i]
+            if key not in self._page_by_key and page not in self._key_of:
+                self._page_by_key[key] = page
+                self._key_of[page] = (key, chunk)
+
+    def _take(self, page: int) -> None:
+        if self._refs[page] == 0:
+            del self._evictable[page]
+        self._refs[page] += 1
+
+    def check(self) -> None:
+        """Every page is exactly one of: referenced, cached and unreferenced, or free."""
+        referenced = sum(1 for r in self._refs if r > 0)
+        assert min(self._refs) >= 0, "negative page reference count"
+        assert referenced + len(self._evictable) + len(self._free) == self.num_pages
+        assert not set(self._free) & set(self._evictable)
