@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     # Reuse the full KV pages of shared prompt prefixes across requests.
     prefix_caching: bool = True
     heartbeat_ttl_s: int = Field(default=10, ge=2)
+    # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed
+    # by another worker and resumed from its published tokens; one delivered more often than
+    # this ends with an error instead.
+    max_deliveries: int = Field(default=3, ge=1)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Fault injection for chaos tests: a step whose batch holds a prompt containing this token

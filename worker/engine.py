@@ -105,7 +105,9 @@ class Engine:
             seq = next((s for s in self.waiting if s.request.id == request_id), None)
         return seq
 
-    def add(self, request: GenerateRequest) -> None:
+    def add(self, request: GenerateRequest, generated: tuple[int, ...] = ()) -> None:
+        """Queue a request; `generated` are tokens an earlier worker already published for
+        it (a resumed request prefills them and goes on from there)."""
         params = request.params
         num_prompt = len(request.prompt_ids)
         if num_prompt >= self.config.max_model_len:
@@ -125,7 +127,7 @@ class Engine:
         self.waiting.append(
             Sequence(
                 request=request,
-                tokens=list(request.prompt_ids),
+                tokens=[*request.prompt_ids, *generated],
                 capacity=capacity,
                 generator=make_generator(params, self.runner.device),
                 stop_ids=frozenset(stop),

@@ -46,6 +46,11 @@ class Publisher:
         self.entry_ids[request.id] = entry_id
         self._pipe.zrem(self.keys.queued(request.model), request.queue_member)
 
+    def stage_ack(self, request_id: str) -> None:
+        """Acknowledge a request that already ended elsewhere (its terminal entry exists)."""
+        entry_id = self.entry_ids.pop(request_id)
+        self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
+
     def stage_hand_back(self, request: GenerateRequest) -> None:
         """Return a request no step has touched to the stream, for another worker."""
         entry_id = self.entry_ids.pop(request.id)

@@ -35,11 +35,15 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     if params.temperature == 0.0:
         return None
     gen = torch.Generator(device=device)
-    if params.seed is not None:
-        gen.manual_seed(params.seed)
-    else:
+    if params.seed is None:
         gen.seed()
-    return gen
+    return gen  # a seeded one is re-seeded for each token (see `_sample_row`)
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of output token `position`: a pure function of the two, so a request resumed on
+    another worker from its published tokens draws exactly what it would have drawn."""
+    return (seed * 0x9E3779B97F4A7C15 + position) % (1 << 63)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLogprob | None]]:
@@ -71,6 +75,8 @@ def _plain_greedy(p: SamplingParams) -> bool:
 def _sample_row(scores: torch.Tensor, row: Row) -> tuple[int, TokenLogprob | None]:
     p = row.params
     scores = _adjust(scores, row)
+    if p.seed is not None and row.generator is not None:
+        row.generator.manual_seed(token_seed(p.seed, len(row.tokens) - row.num_prompt))
     token = _draw(scores, p, row.generator)
     logprob: TokenLogprob | None = None
     if p.logprobs is not None:

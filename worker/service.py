@@ -32,6 +32,7 @@ from worker.kv_cache import KVPool, budget_bytes
 from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
+from worker.recovery import Claimed, Recovery, too_many_deliveries
 
 log = logging.getLogger("redserve.worker")
 
@@ -79,6 +80,9 @@ class WorkerService:
             clients.commands, self.keys, settings,
             on_end=lambda outcome: self.metrics.finished.labels(outcome).inc(),
         )
+        self.recovery = Recovery(clients.commands, self.keys, self.name,
+                                 reclaim_after_s=2 * settings.heartbeat_ttl_s)
+        self._claimed: list[Claimed] = []  # taken over from dead workers, admitted next
         self.stopping = asyncio.Event()
         self._step_time = 0.0  # moving average of a step's wall time, in seconds
 
@@ -113,12 +117,12 @@ class WorkerService:
             await self._step(read=False)
         await self.publisher.flush()
 
-    async def _step(self, *, read: bool) -> list[tuple[str, GenerateRequest, bool]]:
+    async def _step(self, *, read: bool) -> list[tuple[Claimed, bool]]:
         loop = asyncio.get_running_loop()
         watched = self.engine.request_ids()
         started = loop.time()
         step = asyncio.create_task(asyncio.to_thread(self._compute))
-        new: list[tuple[str, GenerateRequest, bool]] = []
+        new: list[tuple[Claimed, bool]] = []
         try:
             # While the model computes: publish the last step, take in new requests, then,
             # late in the step, read the abort keys. None of it makes the model wait.
@@ -169,60 +173,73 @@ class WorkerService:
                                              seq.num_prompt, seq.num_output)])
         self.publisher.stage([o for o in outputs if o.request_id not in dropped])
 
-    async def _read(self, *, block: bool) -> list[tuple[str, GenerateRequest, bool]]:
-        """New requests from the stream, each with whether its abort key is already set."""
-        room = self.settings.max_running - self.engine.num_requests
-        if room <= 0:
-            return []
-        response = await self.clients.blocking.xreadgroup(
-            WORKER_GROUP, self.name, {self.keys.requests: ">"}, count=room,
-            block=IDLE_BLOCK_MS if block else None,
-        )
-        replies = stream_reply(response)
-        if not replies:
-            return []
-        requests: list[tuple[str, GenerateRequest]] = []
-        for entry_id, fields in replies[0][1]:
-            eid = entry_id.decode()
-            try:
-                requests.append((eid, GenerateRequest.from_fields(fields)))
-            except ValueError:
-                # The API validates everything it enqueues; a foreign entry has nowhere to
-                # send an error, so drop it.
-                log.error("dropping malformed request entry %s", eid)
-                await self.clients.commands.xack(self.keys.requests, WORKER_GROUP, eid)
-        if not requests:
+    async def _read(self, *, block: bool) -> list[tuple[Claimed, bool]]:
+        """Requests to admit: those claimed from dead workers, then new ones from the stream;
+        each with whether its abort key is already set."""
+        claimed, self._claimed = self._claimed, []
+        room = self.settings.max_running - self.engine.num_requests - len(claimed)
+        if room > 0:
+            response = await self.clients.blocking.xreadgroup(
+                WORKER_GROUP, self.name, {self.keys.requests: ">"}, count=room,
+                block=IDLE_BLOCK_MS if block and not claimed else None,
+            )
+            replies = stream_reply(response)
+            for entry_id, fields in replies[0][1] if replies else []:
+                eid = entry_id.decode()
+                try:
+                    claimed.append(Claimed(eid, GenerateRequest.from_fields(fields), (), False, 1))
+                except ValueError:
+                    # The API validates everything it enqueues; a foreign entry has nowhere
+                    # to send an error, so drop it.
+                    log.error("dropping malformed request entry %s", eid)
+                    await self.clients.commands.xack(self.keys.requests, WORKER_GROUP, eid)
+        if not claimed:
             return []
         pipe = self.clients.commands.pipeline(transaction=False)
-        for _, req in requests:
-            pipe.exists(self.keys.abort(req.id))
+        for c in claimed:
+            pipe.exists(self.keys.abort(c.request.id))
         flags = await pipe.execute()
-        return [(eid, req, bool(f)) for (eid, req), f in zip(requests, flags, strict=True)]
+        return [(c, bool(f)) for c, f in zip(claimed, flags, strict=True)]
 
-    def _admit(self, requests: list[tuple[str, GenerateRequest, bool]]) -> None:
-        now = time.time()
-        for entry_id, req, aborted in requests:
-            self.publisher.take(req, entry_id)
-            error: Error | None = None
-            if aborted:  # cancelled while queued: never prefilled
-                self.publisher.stage([StepOutput(req.id, 0, None, "abort",
-                                                 len(req.prompt_ids), 0)])
+    def _admit(self, intake: list[tuple[Claimed, bool]]) -> None:
+        for claimed, aborted in intake:
+            req, generated = claimed.request, claimed.generated
+            self.publisher.take(req, claimed.entry_id)
+            if claimed.ended:  # its worker died between the terminal entry and the XACK
+                self.publisher.stage_ack(req.id)
                 continue
-            if now > req.queue_deadline:
-                error = Error("no worker took the request before its queue deadline",
-                              "server_error", "queue_timeout")
-            elif req.model != self.info.name:
-                error = Error(f"worker serves {self.info.name!r}, not {req.model!r}",
-                              "invalid_request_error", "model_not_found")
-            else:
+            if aborted:  # cancelled while queued (or while its worker was dying)
+                self.publisher.stage([StepOutput(req.id, len(generated), None, "abort",
+                                                 len(req.prompt_ids), len(generated))])
+                continue
+            if len(generated) >= req.params.max_tokens:  # only its finish entry was lost
+                self.publisher.stage([StepOutput(req.id, len(generated), None, "length",
+                                                 len(req.prompt_ids), len(generated))])
+                continue
+            error = self._refusal(claimed)
+            if error is None:
                 try:
-                    self.engine.add(req)
+                    self.engine.add(req, generated)
                 except AdmissionError as e:
                     error = Error(str(e), "invalid_request_error", "context_length")
             if error is not None:
                 self.publisher.stage_error(req.id, error)
             else:
                 self.publisher.stage_running(req.id, self.name)
+
+    def _refusal(self, claimed: Claimed) -> Error | None:
+        req, now = claimed.request, time.time()
+        if claimed.deliveries > 1:  # taken over from a dead worker
+            if now > req.deadline:
+                return Error("request timed out", "timeout", "request_timeout")
+            return too_many_deliveries(claimed, self.settings.max_deliveries)
+        if now > req.queue_deadline:
+            return Error("no worker took the request before its queue deadline",
+                         "server_error", "queue_timeout")
+        if req.model != self.info.name:
+            return Error(f"worker serves {self.info.name!r}, not {req.model!r}",
+                         "invalid_request_error", "model_not_found")
+        return None
 
     async def _ensure_group(self) -> None:
         try:
@@ -237,6 +254,14 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         while True:
             await self._beat()
+            try:
+                await self.recovery.touch(self.publisher.entry_ids.values())
+                if not self.stopping.is_set():
+                    room = (self.settings.max_running - self.engine.num_requests
+                            - len(self._claimed))
+                    self._claimed += await self.recovery.claim(room)
+            except aioredis.RedisError as e:
+                log.warning("could not refresh or claim pending requests: %s", e)
             await asyncio.sleep(self.settings.heartbeat_ttl_s / 3)
 
     async def _beat(self) -> None:

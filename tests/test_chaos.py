@@ -1,0 +1,123 @@
+"""Faults on real processes.
+
+A worker killed with SIGKILL mid-stream loses no request: two workers share the consumer group,
+20 greedy streams run, one worker is killed. The other claims its pending requests once their
+idle time passes the heartbeat threshold and resumes each from its published tokens: every
+stream completes with exactly the text of an undisturbed run, and nothing is left pending or
+in flight. A request that keeps losing its worker ends with an error instead of looping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import redis
+
+from ops.probe import scrape
+from shared.keys import WORKER_GROUP, Keys
+from shared.messages import Error, GenerateRequest, SamplingParams, decode_result
+from tests.stack import Stack, eventually
+
+MODEL = "tiny-llama"
+STREAMS = 20
+
+
+def _body(i: int) -> dict[str, object]:
+    return {"model": MODEL, "prompt": [50 + i, 7, 300 + 11 * i, 9, 1000 + i], "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+async def _stream_text(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[str, str]:
+    """The streamed text and the finish reason (or the error event's code)."""
+    parts: list[str] = []
+    finish = ""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = orjson.loads(line[6:])
+            if "error" in event:
+                return "".join(parts), event["error"]["code"]
+            choice = event["choices"][0]
+            parts.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+    return "".join(parts), finish
+
+
+async def _run_all(base_url: str) -> list[tuple[str, str]]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        return await asyncio.gather(*(_stream_text(client, _body(i)) for i in range(STREAMS)))
+
+
+def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=2,
+                  env={"REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_MAX_RUNNING": "16"}).start()
+    keys = Keys(stack.prefix)
+    try:
+        undisturbed = asyncio.run(_run_all(stack.base_url))
+        assert all(finish == "length" for _, finish in undisturbed)
+
+        async def disturbed() -> list[tuple[str, str]]:
+            run = asyncio.create_task(_run_all(stack.base_url))
+            # Kill the first worker once it holds some of the streams.
+            victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
+            assert await asyncio.to_thread(eventually, lambda: sync_redis.xpending_range(
+                keys.requests, WORKER_GROUP, "-", "+", 100, consumername=victim), 30)
+            await asyncio.sleep(0.3)
+            stack.worker_proc(0).send_signal(signal.SIGKILL)
+            stack.worker_proc(0).wait()
+            orphans.extend(sync_redis.xpending_range(keys.requests, WORKER_GROUP, "-", "+", 100,
+                                                     consumername=victim))
+            return await run
+
+        orphans: list[dict[str, object]] = []
+        results = asyncio.run(disturbed())
+        assert orphans, "the killed worker held no request: nothing was recovered"
+        assert [finish for _, finish in results] == ["length"] * STREAMS, stack.output()
+        assert [text for text, _ in results] == [text for text, _ in undisturbed]
+
+        # Nothing left behind: no pending entry, nothing in flight in the replica.
+        assert eventually(lambda: sync_redis.xpending(keys.requests, WORKER_GROUP)["pending"] == 0)
+        assert scrape(f"{stack.base_url}/metrics")["redserve_api_inflight_requests"] == 0
+    finally:
+        stack.stop()
+
+
+
+def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, api=False,
+                  env={"REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_MAX_DELIVERIES": "3"})
+    keys = Keys(stack.prefix)
+    now = time.time()
+    request = GenerateRequest(id="deadbeef-0123456789abcdef01234567", model=MODEL,
+                              prompt_ids=(5, 6, 7), created=now, queue_deadline=now + 60,
+                              deadline=now + 120, params=SamplingParams(max_tokens=4))
+    sync_redis.xgroup_create(keys.requests, WORKER_GROUP, id="0", mkstream=True)
+    entry_id = sync_redis.xadd(keys.requests, request.to_fields())  # type: ignore[arg-type]
+    # Three workers took it and died (XCLAIM counts a delivery each time).
+    sync_redis.xreadgroup(WORKER_GROUP, "ghost-1", {keys.requests: ">"})
+    for ghost in ("ghost-2", "ghost-3"):
+        sync_redis.xclaim(keys.requests, WORKER_GROUP, ghost, 0, [entry_id])
+    stack.start()
+    try:
+        out = keys.out(request.id)
+        assert eventually(lambda: sync_redis.xlen(out) > 0, 30), stack.output()
+        [(_, fields)] = sync_redis.xrange(out)
+        entry = decode_result(fields)
+        assert isinstance(entry, Error) and entry.code == "worker_failed"
+        assert sync_redis.xpending(keys.requests, WORKER_GROUP)["pending"] == 0
+        assert sync_redis.ttl(out) > 0
+    finally:
+        stack.stop()
+        sync_redis.delete(keys.requests, keys.state(request.id), keys.out(request.id))
