@@ -3,12 +3,21 @@ ended. A request with `n` > 1 or several prompts has one `Choice` per generation
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from api.generation import Generation
 from api.text import IncrementalDecoder, TextCodec
-from shared.messages import Finish, Tokens
+from shared.messages import Finish, ResultEntry, Tokens
+
+
+class ResultSource(Protocol):
+    """Where a choice's result entries come from: a live `Generation`, or a `Replay` of a
+    resumed stream."""
+
+    def __aiter__(self) -> AsyncIterator[ResultEntry]: ...
+
+    async def close(self, outcome: str | None = None) -> None: ...
 
 
 class StopStrings:
@@ -41,7 +50,7 @@ class StopStrings:
 @dataclass
 class Choice:
     index: int
-    generation: Generation
+    generation: ResultSource
     decoder: IncrementalDecoder
     stops: StopStrings | None
     chat: bool

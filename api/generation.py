@@ -17,14 +17,17 @@ import redis.asyncio as aioredis
 from api.context import AppContext
 from api.errors import APIError
 from api.reader import Subscription
+from api.resume import StreamView
 from shared.messages import Error, Finish, GenerateRequest, RequestState, ResultEntry
 
 
 class Generation:
-    def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0) -> None:
+    def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
+                 view: StreamView | None = None) -> None:
         self.ctx = ctx
         self.request = request
         self.siblings = siblings  # other choices of the same reply: `<id>-1` .. `<id>-<n-1>`
+        self.view = view  # set for a resumable stream
         self.outcome: str | None = None  # how it ended, once it has
         self._sub: Subscription | None = None
         self._started = False  # a worker has answered at least once
@@ -59,6 +62,7 @@ class Generation:
             "replica": ctx.replica,
             "owner": req.owner,
             "choices": str(max(self.siblings, 1)),
+            **({"stream": self.view.to_json()} if self.view is not None else {}),
         })
         pipe.expire(state_key, ttl)
         pipe.xadd(keys.requests, req.to_fields(),  # type: ignore[arg-type]

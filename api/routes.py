@@ -6,6 +6,7 @@ import hashlib
 import time
 from typing import Any, cast
 
+import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -14,7 +15,8 @@ from api.context import AppContext
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
-from api.serving import generate
+from api.resume import StreamView, last_event_id
+from api.serving import generate, resume
 from shared.messages import RequestState
 
 router = APIRouter()
@@ -65,15 +67,7 @@ async def metrics(request: Request) -> Response:
 async def cancel(request_id: str, request: Request) -> Response:
     """Cancel a request by id, from any replica. Only its owner (same API key) may."""
     ctx = _ctx(request)
-    try:
-        state_key = ctx.keys.state(request_id)
-    except ValueError:
-        raise APIError(404, f"no request {request_id!r}", param="request_id",
-                       code="not_found") from None
-    state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
-    if not state or state.get(b"owner", b"").decode() != _owner(request):
-        # Someone else's request looks exactly like a missing one.
-        raise APIError(404, f"no request {request_id!r}", param="request_id", code="not_found")
+    state = await _owned_state(ctx, request_id, request)
     current = state[b"state"].decode()
     cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
     if cancelled:
@@ -85,6 +79,21 @@ async def cancel(request_id: str, request: Request) -> Response:
         await pipe.execute()
     return json_response({"id": request_id, "object": "request", "state": current,
                           "cancelled": cancelled})
+
+
+@router.get("/v1/requests/{request_id}/stream")
+async def resume_stream(request_id: str, request: Request) -> Response:
+    """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
+    result stream lives. Only its owner may."""
+    ctx = _ctx(request)
+    state = await _owned_state(ctx, request_id, request)
+    raw_view = state.get(b"stream")
+    if raw_view is None:
+        raise APIError(400, f"request {request_id!r} is not a single-choice stream, so it "
+                       "cannot be resumed", param="request_id", code="not_resumable")
+    after = last_event_id(request.headers.get("last-event-id")
+                          or request.query_params.get("last_event_id"))
+    return resume(ctx, request_id, StreamView.from_json(raw_view), after)
 
 
 @router.get("/v1/models")
@@ -128,6 +137,24 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echoes = [ctx.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
     return await generate(ctx, request, body, prompts, "text", _owner(request), echoes)
+
+
+async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> dict[bytes, bytes]:
+    """The request's hash, if the caller owns it; someone else's request looks exactly like a
+    missing one."""
+    missing = APIError(404, f"no request {request_id!r}", param="request_id", code="not_found")
+    try:
+        state_key = ctx.keys.state(request_id)
+    except ValueError:
+        raise missing from None
+    try:
+        state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
+    except aioredis.RedisError as e:
+        raise APIError(503, f"request state unavailable: {e}", type="server_error",
+                       code="redis_unavailable", headers={"Retry-After": "1"}) from e
+    if not state or state.get(b"owner", b"").decode() != _owner(request):
+        raise missing
+    return state
 
 
 def _check_model(ctx: AppContext, model: str) -> None:

@@ -20,6 +20,7 @@ from api.errors import APIError, error_body
 from api.generation import Generation
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import Kind, ResponseFormat, json_response, usage
+from api.resume import Replay, StreamView
 from shared.keys import new_request_id
 from shared.messages import Error, Finish, GenerateRequest, SamplingParams, Tokens
 
@@ -105,10 +106,19 @@ async def generate(
                 trace_id=request.headers.get("x-trace-id", ""),
             ))
     stops = body.stop_strings()
+    prompt_tokens = sum(len(p) for p in prompts)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    view = None
+    if body.stream and len(requests) == 1:  # resumable (see api/resume.py)
+        view = StreamView(kind, base_id, ctx.model.name, int(now), prompt_tokens,
+                          echoes[0] if echoes else "", tuple(stops or ()),
+                          body.include_stop_str_in_output, include_usage, requests[0].deadline)
+    generations = [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view)
+                   for i, req in enumerate(requests)]
     choices = [
         Choice(
             index=i,
-            generation=Generation(ctx, req, siblings=len(requests) if i == 0 else 0),
+            generation=generations[i],
             decoder=ctx.codec.decoder(),
             stops=StopStrings(stops, body.include_stop_str_in_output) if stops else None,
             chat=kind == "chat",
@@ -121,7 +131,7 @@ async def generate(
     # All choices enter the queue concurrently; if any is refused (or the client leaves
     # meanwhile), none stays.
     try:
-        started = await asyncio.gather(*(c.generation.start() for c in choices),
+        started = await asyncio.gather(*(g.start() for g in generations),
                                        return_exceptions=True)
         failure = next((r for r in started if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -129,21 +139,52 @@ async def generate(
     except BaseException:
         await _close_all(choices)
         raise
-    prompt_tokens = sum(len(p) for p in prompts)
     fmt = ResponseFormat(kind, base_id, ctx.model.name, int(now))
     headers = {"X-Request-Id": base_id}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(
-            _stream(choices, fmt, prompt_tokens, include_usage),
-            headers=headers, sep="\n", ping=15,
-            background=BackgroundTask(_close_all, choices),
-        )
+        return _sse(choices, fmt, prompt_tokens, include_usage, headers)
     try:
         reply = await _collect_unless_disconnected(request, choices, fmt, prompt_tokens)
     finally:
         await _close_all(choices)
     return json_response(reply, headers=headers)
+
+
+def resume(ctx: AppContext, request_id: str, view: StreamView, after: int) -> Response:
+    """A single-choice stream replayed from its result stream; only events after `after`
+    are sent."""
+    choice = Choice(
+        index=0,
+        generation=Replay(ctx, request_id, view.deadline),
+        decoder=ctx.codec.decoder(),
+        stops=StopStrings(list(view.stops), view.include_stop) if view.stops else None,
+        chat=view.kind == "chat",
+        codec=ctx.codec,
+        prefix=view.prefix,
+    )
+    fmt = ResponseFormat(view.kind, view.base_id, view.model, view.created)
+    return _sse([choice], fmt, view.prompt_tokens, view.include_usage,
+                {"X-Request-Id": view.base_id}, after)
+
+
+def _sse(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, include_usage: bool,
+         headers: dict[str, str], after: int = 0) -> Response:
+    return EventSourceResponse(
+        _numbered(_stream(choices, fmt, prompt_tokens, include_usage), after),
+        headers=headers, sep="\n", ping=15,
+        background=BackgroundTask(_close_all, choices),
+    )
+
+
+async def _numbered(events: AsyncIterator[ServerSentEvent], after: int
+                    ) -> AsyncIterator[ServerSentEvent]:
+    """Give each event its ordinal as `id:`, and skip those a resuming client has seen."""
+    n = 0
+    async for event in events:
+        n += 1
+        if n > after:
+            event.id = str(n)
+            yield event
 
 
 async def _close_all(choices: list[Choice]) -> None:

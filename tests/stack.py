@@ -37,10 +37,12 @@ class Stack:
     served_name: str | None = None
     workers: int = 1
     api: bool = True
+    replicas: int = 1  # API replicas, on `port` and the ports in `more_ports`
     env: dict[str, str] = field(default_factory=dict)
     prefix: str = field(default_factory=lambda: f"rstest-{uuid.uuid4().hex[:8]}")
     port: int = field(default_factory=free_port)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    more_ports: list[int] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
     @property
@@ -58,10 +60,16 @@ class Stack:
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             ))
 
+    def url(self, replica: int) -> str:
+        return f"http://127.0.0.1:{([self.port, *self.more_ports])[replica]}"
+
     @property
     def api_proc(self) -> subprocess.Popen[bytes]:
         assert self.api
         return self.procs[self.workers]
+
+    def replica_proc(self, replica: int) -> subprocess.Popen[bytes]:
+        return self.procs[self.workers + replica]
 
     def worker_proc(self, i: int = 0) -> subprocess.Popen[bytes]:
         return self.procs[i]
@@ -73,8 +81,11 @@ class Stack:
         for _ in range(self.workers):
             self._spawn("worker")
         if self.api:
-            self._spawn("api", "--host", "127.0.0.1", "--port", str(self.port))
-            self.wait_http(timeout)
+            self.more_ports = [free_port() for _ in range(self.replicas - 1)]
+            for port in [self.port, *self.more_ports]:
+                self._spawn("api", "--host", "127.0.0.1", "--port", str(port))
+            for i in range(self.replicas):
+                self.wait_http(timeout, self.url(i))
         if self.workers:
             self.wait_workers(timeout)
         return self
@@ -91,9 +102,9 @@ class Stack:
         if not ok or any(p.poll() is not None for p in self.procs):
             raise RuntimeError(f"workers did not start:\n{self.output()}")
 
-    def wait_http(self, timeout: float) -> None:
-        if not wait_healthy(self.base_url, lambda: all(p.poll() is None for p in self.procs),
-                            timeout):
+    def wait_http(self, timeout: float, url: str | None = None) -> None:
+        if not wait_healthy(url or self.base_url,
+                            lambda: all(p.poll() is None for p in self.procs), timeout):
             raise RuntimeError(f"the stack did not become healthy:\n{self.output()}")
 
     def output(self) -> str:

@@ -1,0 +1,112 @@
+"""Resumable streams: any replica can replay a request's SSE stream from its result stream.
+
+Every SSE event of a reply carries `id: <n>`, its ordinal. The events are a pure function of
+the result entries (one event per entry at most, in stream order), so a replica that reads the
+same entries from the start and renders them the same way produces the same events with the
+same ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends
+the events after `n`: no gap, no duplicate, the same text as an unbroken stream, whichever
+replica served the start. What rendering needs (reply kind, stop strings, echo prefix, ...)
+is stored as a `StreamView` in the request's hash when the stream starts.
+
+A stream with several choices interleaves their entries in arrival order, which a replay
+cannot reproduce, so only single-choice streams are resumable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+import orjson
+import redis.asyncio as aioredis
+
+from api.context import AppContext
+from api.responses import Kind
+from shared.messages import Error, Finish, ResultEntry, decode_result
+from shared.redis_conn import stream_reply
+
+READ_BLOCK_MS = 1000
+READ_COUNT = 64
+
+
+@dataclass(frozen=True)
+class StreamView:
+    kind: Kind
+    base_id: str
+    model: str
+    created: int
+    prompt_tokens: int
+    prefix: str  # echoed prompt
+    stops: tuple[str, ...]
+    include_stop: bool
+    include_usage: bool
+    deadline: float
+
+    def to_json(self) -> str:
+        return orjson.dumps(asdict(self)).decode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StreamView:
+        data = orjson.loads(raw)
+        data["stops"] = tuple(data["stops"])
+        return cls(**data)
+
+
+class Replay:
+    """A request's result entries read straight from Redis, from the first one: the source of
+    a resumed stream (in place of a live `Generation`)."""
+
+    def __init__(self, ctx: AppContext, request_id: str, deadline: float) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.deadline = deadline
+        self._key = ctx.keys.out(request_id)
+        self._last: bytes | str = "0-0"
+        self._buffer: list[ResultEntry] = []
+        self._ended = False
+
+    def __aiter__(self) -> Replay:
+        return self
+
+    async def __anext__(self) -> ResultEntry:
+        while not self._buffer:
+            if self._ended:
+                raise StopAsyncIteration
+            left_ms = int((self.deadline - time.time()) * 1000)
+            if left_ms <= 0:
+                self._buffer.append(Error("request timed out", "timeout", "request_timeout"))
+                break
+            try:
+                reply = await self.ctx.clients.blocking.xread(
+                    {self._key: self._last}, count=READ_COUNT, block=min(left_ms, READ_BLOCK_MS))
+            except aioredis.RedisError as e:
+                self._buffer.append(Error(f"result stream unavailable: {e}", "server_error",
+                                          "redis_unavailable"))
+                break
+            for _, entries in stream_reply(reply):
+                for entry_id, fields in entries:
+                    self._last = entry_id
+                    self._buffer.append(decode_result(fields))
+        entry = self._buffer.pop(0)
+        if isinstance(entry, Finish | Error):
+            self._ended = True
+            self._buffer.clear()
+        return entry
+
+    async def close(self, outcome: str | None = None) -> None:
+        """A client leaving a resumed stream cancels the request, as on its first stream."""
+        if self._ended:
+            return
+        self._ended = True
+        with contextlib.suppress(aioredis.RedisError):
+            await self.ctx.clients.commands.set(self.ctx.keys.abort(self.request_id), "1",
+                                                ex=self.ctx.settings.request_ttl_s)
+
+
+def last_event_id(header: str | None) -> int:
+    try:
+        return max(int(header or 0), 0)
+    except ValueError:
+        return 0
+
