@@ -29,6 +29,8 @@ log = logging.getLogger("redserve.api.reader")
 
 READ_COUNT = 64  # most entries per stream per read
 BLOCK_MS = 1000
+# Reads failing this long mean Redis is gone: open requests end with an error, not a hang.
+OUTAGE_AFTER_S = 1.0
 # While some client is behind, read with a short block so its stream resumes promptly once it
 # catches up (a blocked XREAD would otherwise hold the stream paused for up to BLOCK_MS).
 PAUSED_BLOCK_MS = 20
@@ -105,6 +107,7 @@ class ResultReader:
 
     async def _run(self) -> None:
         backoff = 0.05
+        failing_since: float | None = None
         while True:
             streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             now = time.monotonic()
@@ -126,14 +129,22 @@ class ResultReader:
                 response = await self.clients.blocking.xread(
                     streams, count=self._count, block=block
                 )
-                backoff = 0.05
+                backoff, failing_since = 0.05, None
             except aioredis.RedisError as e:
                 log.warning("result reader: %s; retrying in %.2fs", e, backoff)
+                failing_since = failing_since or now
+                if now - failing_since >= OUTAGE_AFTER_S:
+                    self._fail_all(Error(f"lost the connection to Redis: {e}", "server_error",
+                                         "redis_unavailable"))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             for raw_key, entries in stream_reply(response):
                 self._route(raw_key.decode(), entries)
+
+    def _fail_all(self, error: Error) -> None:
+        for sub in self.subscriptions.values():
+            sub.fail(error)
 
     def _route(self, key: str, entries: StreamEntries) -> None:
         if key == self.wake_key:

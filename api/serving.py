@@ -32,6 +32,7 @@ _ERROR_STATUS = {
     "worker_shutdown": 503,
     "server_shutdown": 503,
     "request_timeout": 504,
+    "redis_unavailable": 503,
 }
 
 

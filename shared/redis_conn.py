@@ -27,10 +27,12 @@ class RedisClients:
 
 def connect(url: str, *, name: str, max_connections: int = 64) -> RedisClients:
     """Bounded pools: under a burst, callers wait up to 5 s for a free connection instead of
-    failing (redis-py's default pool raises past 100 connections)."""
+    failing (redis-py's default pool raises past 100 connections). Connecting gives up after
+    a second, so while Redis is unreachable callers fail fast (and clients get a 503) instead
+    of hanging; every call tries a fresh connection, so service resumes once Redis is back."""
     # RESP2 pinned: stream replies are parsed as RESP2 lists on both sides.
     common: dict[str, Any] = {
-        "socket_connect_timeout": 5.0, "health_check_interval": 30, "protocol": 2, "timeout": 5,
+        "socket_connect_timeout": 1.0, "health_check_interval": 30, "protocol": 2, "timeout": 5,
     }
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common

@@ -5,6 +5,8 @@ A worker killed with SIGKILL mid-stream loses no request: two workers share the 
 idle time passes the heartbeat threshold and resumes each from its published tokens: every
 stream completes with exactly the text of an undisturbed run, and nothing is left pending or
 in flight. A request that keeps losing its worker ends with an error instead of looping.
+While Redis is down, open streams end with an error event and new requests get 503 at once;
+when it comes back, the same processes serve again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx
 import orjson
 import redis
 
+from ops.embedded_redis import EmbeddedRedis
 from ops.probe import scrape
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Error, GenerateRequest, SamplingParams, decode_result
@@ -121,3 +124,43 @@ def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(
     finally:
         stack.stop()
         sync_redis.delete(keys.requests, keys.state(request.id), keys.out(request.id))
+
+
+def test_redis_outage_fails_fast_then_service_returns_without_restarts(tiny_model: Path) -> None:
+    server = EmbeddedRedis()
+    url = server.start()
+    stack = Stack(url, tiny_model, served_name=MODEL,
+                  env={"REDSERVE_HEARTBEAT_TTL_S": "2"}).start()
+    body = {**_body(0), "max_tokens": 400}
+    try:
+        async def open_streams_then_stop_redis() -> list[tuple[str, str]]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+                streams = [asyncio.create_task(_stream_text(client, {**body, "prompt": [i + 3]}))
+                           for i in range(4)]
+                await asyncio.sleep(0.5)
+                server.stop()
+                return await asyncio.gather(*streams)
+
+        ended = asyncio.run(open_streams_then_stop_redis())
+        # Open streams end with an error event rather than hang.
+        assert [finish for _, finish in ended] == ["redis_unavailable"] * 4, stack.output()
+
+        # New requests are refused at once.
+        t0 = time.monotonic()
+        refused = httpx.post(f"{stack.base_url}/v1/completions", json={**body, "stream": False},
+                             timeout=10)
+        assert refused.status_code == 503 and time.monotonic() - t0 < 1.0
+        assert httpx.get(f"{stack.base_url}/ready").status_code == 503
+
+        # Redis comes back (empty, as a restarted cache does): the same processes serve again.
+        server = EmbeddedRedis(port=server.port)
+        server.start()
+        assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 200, 30)
+        again = httpx.post(f"{stack.base_url}/v1/completions", timeout=60,
+                           json={**body, "stream": False, "max_tokens": 8})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+        assert all(p.poll() is None for p in stack.procs)
+        assert scrape(f"{stack.base_url}/metrics")["redserve_api_inflight_requests"] == 0
+    finally:
+        stack.stop()
+        server.stop()

@@ -78,6 +78,11 @@ class Publisher:
         self._pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
         self._pipe.expire(state_key, self.settings.request_ttl_s)
 
+    def discard_staged(self) -> None:
+        """Forget what a failed pipeline held (Redis went away)."""
+        self._pipe = self.redis.pipeline(transaction=False)
+        self._streams.clear()
+
     async def flush(self) -> None:
         """Send what is staged, in one pipeline."""
         pipe, self._pipe = self._pipe, self.redis.pipeline(transaction=False)

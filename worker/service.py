@@ -99,11 +99,42 @@ class WorkerService:
 
     async def _serve(self) -> None:
         while not self.stopping.is_set():
-            if not self.engine.has_work():
+            try:
+                if not self.engine.has_work():
+                    await self.publisher.flush()
+                    self._admit(await self._read(block=True))
+                    continue
+                self._admit(await self._step(read=True))
+            except aioredis.RedisError as e:
+                await self._recover_redis(e)
+
+    async def _recover_redis(self, error: aioredis.RedisError) -> None:
+        """Redis went away mid-step. Results can't be published, and the replicas end their
+        open streams, so end every request here; once Redis answers again (maybe restarted
+        empty: the consumer group is made anew), publish their error entries so that none is
+        left without a terminal entry, and serve on."""
+        log.error("lost Redis (%s): ending %d request(s); reconnecting", error,
+                  self.engine.num_requests)
+        dropped = [s.request.id for s in [*self.engine.drop_running(),
+                                           *self.engine.drop_waiting()]]
+        self.publisher.discard_staged()
+        lost = Error("the worker lost its connection to Redis", "server_error",
+                     "redis_unavailable")
+        backoff = 0.2
+        while not self.stopping.is_set():
+            await asyncio.sleep(backoff)
+            try:
+                await self._ensure_group()
+                for request_id in dropped:
+                    self.publisher.stage_error(request_id, lost)
                 await self.publisher.flush()
-                self._admit(await self._read(block=True))
+            except aioredis.RedisError as e:
+                self.publisher.discard_staged()
+                backoff = min(backoff * 2, 5.0)
+                log.warning("Redis still unavailable (%s); retrying in %.1fs", e, backoff)
                 continue
-            self._admit(await self._step(read=True))
+            log.info("Redis is back; serving again")
+            return
 
     async def _drain(self) -> None:
         """Stop taking requests; hand back those not started; let running ones finish."""
