@@ -38,7 +38,8 @@ def create_app(settings: Settings) -> FastAPI:
         codec = await asyncio.to_thread(TextCodec, str(info.path))
         replica = new_replica_tag()
         keys = Keys(settings.key_prefix)
-        clients = connect(redis_url, name=f"redserve-api-{replica}")
+        clients = connect(redis_url, name=f"redserve-api-{replica}",
+                          cluster=settings.redis_cluster)
         metrics = APIMetrics()
         live = Live()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
@@ -25,7 +26,8 @@ class RedisClients:
         await self.blocking.aclose()
 
 
-def connect(url: str, *, name: str, max_connections: int = 64) -> RedisClients:
+def connect(url: str, *, name: str, max_connections: int = 64,
+            cluster: bool = False) -> RedisClients:
     """Bounded pools: under a burst, callers wait up to 5 s for a free connection instead of
     failing (redis-py's default pool raises past 100 connections). Connecting gives up after
     a second, so while Redis is unreachable callers fail fast (and clients get a 503) instead
@@ -34,6 +36,11 @@ def connect(url: str, *, name: str, max_connections: int = 64) -> RedisClients:
     common: dict[str, Any] = {
         "socket_connect_timeout": 1.0, "health_check_interval": 30, "protocol": 2, "timeout": 5,
     }
+    if cluster:
+        return RedisClients(
+            commands=_cluster(url, max_connections, 10.0, name, common),
+            blocking=_cluster(url, 4, None, f"{name}-block", common),
+        )
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
     ))
@@ -41,6 +48,17 @@ def connect(url: str, *, name: str, max_connections: int = 64) -> RedisClients:
         url, max_connections=4, socket_timeout=None, client_name=f"{name}-block", **common
     ))
     return RedisClients(commands=commands, blocking=blocking)
+
+
+def _cluster(url: str, max_connections: int, socket_timeout: float | None, name: str,
+             common: dict[str, Any]) -> aioredis.Redis:
+    """A Redis Cluster client (`url` names any node). Every command redserve sends touches one
+    slot, or, in a non-transactional pipeline, is routed key by key, so the rest of the code
+    uses it exactly like a single server's client: hence the cast."""
+    options = {k: v for k, v in common.items() if k != "timeout"}
+    client = RedisCluster.from_url(url, max_connections=max_connections,
+                                   socket_timeout=socket_timeout, client_name=name, **options)
+    return cast(aioredis.Redis, client)
 
 
 def stream_reply(reply: object) -> list[tuple[bytes, StreamEntries]]:

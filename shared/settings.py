@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, validation_alias=AliasChoices("REDSERVE_REDIS_URL", "REDIS_URL", "redis_url")
     )
+    # `redis_url` names a node of a Redis Cluster (every request's keys share one slot).
+    redis_cluster: bool = False
     key_prefix: str = Field(default="rs", pattern=r"^[A-Za-z0-9_.:-]+$")
 
     model: str = DEFAULT_MODEL

@@ -340,7 +340,7 @@ class WorkerService:
 async def serve(settings: Settings, info: ModelInfo) -> None:
     engine = await asyncio.to_thread(build_engine, info, settings)
     assert settings.redis_url is not None
-    clients = connect(settings.redis_url, name="redserve-worker")
+    clients = connect(settings.redis_url, name="redserve-worker", cluster=settings.redis_cluster)
     service = WorkerService(settings, info, engine, clients)
     if settings.metrics_port:
         service.metrics.serve(settings.metrics_port)
