@@ -77,3 +77,6 @@ class Settings(BaseSettings):
     # Fault injection for chaos tests: a step whose batch holds a prompt containing this token
     # id raises, as a model failure would. Never set in production.
     fault_token_id: int | None = None
+    # Benchmarks only: replace the model by a stand-in whose every step takes this long (ms),
+    # so broker throughput can be measured without a GPU (see worker/synthetic.py).
+    synthetic_step_ms: float = Field(default=0.0, ge=0)

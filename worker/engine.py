@@ -17,15 +17,31 @@ Not thread-safe by design: the worker service calls `add`/`abort` only between s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from shared.messages import FinishReason, GenerateRequest, TokenLogprob
-from worker.kv_cache import KVPool
-from worker.model_runner import Chunk, ModelRunner
+from worker.kv_cache import KVPool, KVShape
+from worker.model_runner import Chunk
 from worker.pages import PageManager
 from worker.sampler import Row, make_generator, sample
+
+
+class Runner(Protocol):
+    """What the engine needs of a model: `worker.model_runner.ModelRunner`, or the
+    benchmark-only `worker.synthetic.SyntheticRunner`."""
+
+    kv_shape: KVShape
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def attach(self, pool: KVPool) -> None: ...
+
+    def forward(self, chunks: Seq[Chunk]) -> torch.Tensor: ...
 
 
 class AdmissionError(ValueError):
@@ -76,7 +92,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, pool: KVPool, config: EngineConfig, *,
+    def __init__(self, runner: Runner, pool: KVPool, config: EngineConfig, *,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.runner = runner
         self.config = config

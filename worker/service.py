@@ -33,6 +33,7 @@ from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
 from worker.recovery import Claimed, Recovery, too_many_deliveries
+from worker.synthetic import SyntheticRunner
 
 log = logging.getLogger("redserve.worker")
 
@@ -48,6 +49,8 @@ def pick_device(setting: str) -> torch.device:
 
 
 def build_engine(info: ModelInfo, settings: Settings) -> Engine:
+    if settings.synthetic_step_ms:
+        return _synthetic_engine(info, settings)
     device = pick_device(settings.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype)
@@ -64,6 +67,17 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
         page_size=settings.page_size,
         prefix_caching=settings.prefix_caching,
     )
+    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
+
+
+def _synthetic_engine(info: ModelInfo, settings: Settings) -> Engine:
+    vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
+    runner = SyntheticRunner(vocab, settings.synthetic_step_ms / 1000)
+    tokens = settings.max_running * info.max_model_len
+    pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
+    config = EngineConfig(max_running=settings.max_running, max_step_tokens=1 << 20,
+                          max_model_len=info.max_model_len, page_size=settings.page_size,
+                          prefix_caching=False)
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
 
 

@@ -1,0 +1,191 @@
+"""Broker scaling: requests/s and tokens/s through real API replicas, Redis and workers, with
+the model replaced by a fixed-time stand-in (`REDSERVE_SYNTHETIC_STEP_MS`, see
+worker/synthetic.py), so that what is measured is the serving layer, not a CPU-bound model.
+
+    python -m ops.bench_broker [--step-ms 50] [--max-running 16] [--tokens 32]
+                               [--concurrency 96] [--seconds 15]
+
+For 1, 2 and 4 workers with 1 and 2 API replicas: start the topology (its own Valkey unless
+REDIS_URL is set), drive it with `--concurrency` streaming clients spread over the replicas
+for `--seconds`, and report completed requests/s, streamed tokens/s and the CPU each part
+used (in cores), then the 1 -> 2 worker and 1 -> 2 replica ratios and what saturated first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from ops.embedded_redis import EmbeddedRedis, free_port
+from ops.probe import wait_healthy
+from shared.models import resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+
+TOPOLOGIES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]  # (workers, replicas)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Result:
+    workers: int
+    replicas: int
+    requests_per_s: float
+    tokens_per_s: float
+    cpu: dict[str, float]  # cores used, by part
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def _redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def _client(base_url: str, body: dict[str, object], stop_at: float,
+                  done: list[int]) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        while time.monotonic() < stop_at:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    await asyncio.sleep(0.05)
+                    continue
+                finished = False
+                async for line in response.aiter_lines():
+                    finished = finished or '"finish_reason":"length"' in line
+            done[0] += finished
+
+
+async def _drive(urls: list[str], args: argparse.Namespace) -> int:
+    body = {"model": DEFAULT_MODEL, "prompt": list(range(100, 116)), "max_tokens": args.tokens,
+            "ignore_eos": True, "stream": True}
+    done = [0]
+    stop_at = time.monotonic() + args.seconds
+    await asyncio.gather(*(_client(urls[i % len(urls)], body, stop_at, done)
+                           for i in range(args.concurrency)))
+    return done[0]
+
+
+def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -> Result:
+    info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    env = {**os.environ, "REDIS_URL": redis_url,
+           "REDSERVE_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:6]}",
+           "REDSERVE_SYNTHETIC_STEP_MS": str(args.step_ms),
+           "REDSERVE_MAX_RUNNING": str(args.max_running),
+           "REDSERVE_MAX_QUEUED_REQUESTS": "100000"}
+    me = [sys.executable, "-m", "ops.cli"]
+    model = ["--model", str(info.path), "--served-model-name", DEFAULT_MODEL]
+    ports = [free_port() for _ in range(replicas)]
+    procs = {f"worker{i}": subprocess.Popen([*me, "worker", *model], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for i in range(workers)}
+    procs |= {f"api{i}": subprocess.Popen([*me, "api", "--host", "127.0.0.1", "--port",
+                                           str(port), *model], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for i, port in enumerate(ports)}
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        for url in urls:
+            if not wait_healthy(url, lambda: all(p.poll() is None for p in procs.values()), 120):
+                raise RuntimeError("the topology did not start")
+            while httpx.get(f"{url}/ready").json().get("workers", 0) < workers:
+                time.sleep(0.2)
+        asyncio.run(_drive(urls, argparse.Namespace(**{**vars(args), "seconds": 2})))  # warm-up
+        before = {name: _cpu_seconds(p.pid) for name, p in procs.items()}
+        redis_before = _redis_cpu(r)
+        self_before = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        done = asyncio.run(_drive(urls, args))
+        wall = time.monotonic() - t0
+        self_after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = {
+            "load generator": (self_after.ru_utime + self_after.ru_stime
+                               - self_before.ru_utime - self_before.ru_stime) / wall,
+            "redis": (_redis_cpu(r) - redis_before) / wall,
+            "api (all)": sum(_cpu_seconds(p.pid) - before[n] for n, p in procs.items()
+                             if n.startswith("api")) / wall,
+            "workers (all)": sum(_cpu_seconds(p.pid) - before[n] for n, p in procs.items()
+                                 if n.startswith("worker")) / wall,
+        }
+        return Result(workers, replicas, done / wall, done * args.tokens / wall, cpu)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(30)
+        r.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--step-ms", type=float, default=50.0, help="synthetic step time")
+    ap.add_argument("--max-running", type=int, default=16, help="requests per worker step")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--concurrency", type=int, default=96, help="concurrent client streams")
+    ap.add_argument("--seconds", type=float, default=15.0)
+    args = ap.parse_args()
+    console = Console()
+    embedded = None
+    redis_url = os.environ.get("REDIS_URL")
+    if redis_url is None:
+        embedded = EmbeddedRedis()
+        redis_url = embedded.start()
+    results: dict[tuple[int, int], Result] = {}
+    try:
+        for workers, replicas in TOPOLOGIES:
+            with console.status(f"{workers} worker(s), {replicas} replica(s)"):
+                res = run(workers, replicas, redis_url, args)
+            results[(workers, replicas)] = res
+            console.print(f"{workers} worker(s), {replicas} replica(s): "
+                          f"{res.requests_per_s:.1f} req/s, {res.tokens_per_s:.0f} tokens/s; "
+                          + ", ".join(f"{k} {v:.2f} cores" for k, v in res.cpu.items()))
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    _report(console, results, args)
+
+
+def _report(console: Console, results: dict[tuple[int, int], Result],
+            args: argparse.Namespace) -> None:
+    capacity = 1000 / args.step_ms * args.max_running * 1  # tokens/s one worker can emit
+    table = Table(title=f"broker scaling: synthetic step {args.step_ms:.0f} ms x "
+                        f"{args.max_running} requests/worker ({capacity:.0f} tokens/s per worker), "
+                        f"{args.tokens} tokens/request, {args.concurrency} client streams, "
+                        f"{os.cpu_count()} CPU cores")
+    for col in ("workers", "replicas", "req/s", "tokens/s", "x 1 worker", "x 1 replica",
+                "load gen cores", "redis cores", "api cores", "worker cores"):
+        table.add_column(col)
+    for (workers, replicas), res in results.items():
+        base_w = results.get((1, replicas))
+        base_r = results.get((workers, 1))
+        table.add_row(
+            str(workers), str(replicas), f"{res.requests_per_s:.1f}", f"{res.tokens_per_s:.0f}",
+            f"{res.tokens_per_s / base_w.tokens_per_s:.2f}" if base_w else "",
+            f"{res.tokens_per_s / base_r.tokens_per_s:.2f}" if base_r else "",
+            *(f"{v:.2f}" for v in res.cpu.values()),
+        )
+    console.print(table)
+    busiest = {k: max(r.cpu[k] for r in results.values()) for k in next(iter(results.values())).cpu}
+    console.print("highest CPU seen, in cores: " + ", ".join(f"{k} {v:.2f}"
+                                                              for k, v in busiest.items()))
+
+
+if __name__ == "__main__":
+    main()
