@@ -88,9 +88,18 @@ def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
         assert [finish for _, finish in results] == ["length"] * STREAMS, stack.output()
         assert [text for text, _ in results] == [text for text, _ in undisturbed]
 
-        # Nothing left behind: no pending entry, nothing in flight in the replica.
+        # Nothing left behind: no pending entry, nothing in flight in the replica, and the
+        # surviving worker (as its heartbeat reports) holds no request and every page.
         assert eventually(lambda: sync_redis.xpending(keys.requests, WORKER_GROUP)["pending"] == 0)
         assert scrape(f"{stack.base_url}/metrics")["redserve_api_inflight_requests"] == 0
+        survivor = keys.worker(f"{socket.gethostname()}-{stack.worker_proc(1).pid}")
+
+        def idle() -> bool:
+            beat = orjson.loads(sync_redis.get(survivor) or b"{}")
+            return bool(beat) and beat["running"] == beat["waiting"] == 0 and (
+                beat["kv_pages_free"] == beat["kv_pages_total"])
+
+        assert eventually(idle, 10)
     finally:
         stack.stop()
 

@@ -56,10 +56,11 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLo
     out: list[tuple[int, TokenLogprob | None] | None] = [None] * len(rows)
     plain = [i for i, row in enumerate(rows) if _plain_greedy(row.params)]
     if plain:
-        index = torch.tensor(plain, device=logits.device)
-        for i, token in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist(),
-                            strict=True):
-            out[i] = (token, None)
+        # Over every row (cheaper than selecting the plain ones first); `max` finds the same
+        # first maximum as `argmax`, about twice as fast on CPU.
+        best = logits.max(dim=-1).indices.tolist()
+        for i in plain:
+            out[i] = (best[i], None)
     for i, (scores, row) in enumerate(zip(logits, rows, strict=True)):
         if out[i] is None:
             out[i] = _sample_row(scores, row)
