@@ -71,6 +71,9 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
 
 
 def _synthetic_engine(info: ModelInfo, settings: Settings) -> Engine:
+    # Nothing to parallelise: more threads would only spin between steps and take CPU from
+    # the processes being measured.
+    torch.set_num_threads(1)
     vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
     runner = SyntheticRunner(vocab, settings.synthetic_step_ms / 1000)
     tokens = settings.max_running * info.max_model_len
