@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.cluster import RedisCluster
 
 from ops.embedded_redis import free_port
 from ops.probe import scrape, wait_healthy
@@ -92,7 +93,10 @@ class Stack:
 
     def wait_workers(self, timeout: float) -> None:
         """Until every worker has announced itself with a heartbeat."""
-        r = redis.Redis.from_url(self.redis_url)
+        # On a cluster, SCAN must visit every node.
+        r = (RedisCluster.from_url(self.redis_url)
+             if self.env.get("REDSERVE_REDIS_CLUSTER") == "true"
+             else redis.Redis.from_url(self.redis_url))
         try:
             ok = eventually(
                 lambda: len(list(r.scan_iter(match=f"{self.prefix}:worker:*"))) >= self.workers

@@ -191,9 +191,11 @@ def test_sse_framing(tiny_stack: Stack) -> None:
     raw = httpx.post(f"{tiny_stack.base_url}/v1/chat/completions", json=body).text
     assert raw.endswith("\n\n")
     events = raw.split("\n\n")[:-1]
-    assert events[-1] == "data: [DONE]"
-    for event in events:
-        assert "\n" not in event and event.startswith("data: ")  # one data line per event
-    payloads = [orjson.loads(e[6:]) for e in events[:-1]]
+    # Each event: its ordinal as `id:` (for resuming), then one data line.
+    for n, event in enumerate(events, start=1):
+        id_line, data_line = event.split("\n")
+        assert id_line == f"id: {n}" and data_line.startswith("data: ")
+    assert events[-1].endswith("\ndata: [DONE]")
+    payloads = [orjson.loads(e.split("\n")[1][6:]) for e in events[:-1]]
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 6
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
