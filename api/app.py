@@ -71,6 +71,10 @@ def create_app(settings: Settings) -> FastAPI:
             # Requests still open here are past the drain: end them, then stop reading.
             for generation in list(ctx.live.requests.values()):
                 generation.fail(SHUTDOWN_ERROR)
+            # Disconnected streams still in their resume grace run on to their end (another
+            # replica may be serving their resume); only the pending cancellation goes.
+            for deferred in list(ctx.live.deferred):
+                deferred.cancel()
             await reader.stop()
             await clients.close()
 

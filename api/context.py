@@ -24,6 +24,8 @@ class Live:
     """Requests alive in this replica, and whether it is draining."""
 
     requests: dict[str, Generation] = field(default_factory=dict)
+    # Cancellations of disconnected streams, waiting out the resume grace.
+    deferred: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -142,10 +142,27 @@ class Generation:
         self._sub.fail(Error("the request was closed", "server_error", "closed"))
         ctx.live.remove(self.request.id)
         if not self._worker_ended:
+            grace = ctx.settings.resume_grace_s
+            if self._aborting is None and outcome is None and self.view is not None and grace:
+                # A stream whose client went away: leave it running for a resume.
+                deferred = asyncio.create_task(self._abort_unless_resumed(grace))
+                ctx.live.deferred.add(deferred)
+                deferred.add_done_callback(ctx.live.deferred.discard)
+                return
             if self._aborting is None:
                 self._aborting = asyncio.create_task(self._abort())
             # Shielded: this often runs while the handler is being cancelled.
             await asyncio.shield(self._aborting)
+
+    async def _abort_unless_resumed(self, grace: float) -> None:
+        await asyncio.sleep(grace)
+        try:
+            resumed = await self.ctx.clients.commands.exists(
+                self.ctx.keys.resumed(self.request.id))
+        except aioredis.RedisError:
+            resumed = 0
+        if not resumed:
+            await self._abort()
 
     async def _abort(self) -> None:
         self.ctx.metrics.aborts.inc()

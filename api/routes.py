@@ -93,6 +93,13 @@ async def resume_stream(request_id: str, request: Request) -> Response:
                        "cannot be resumed", param="request_id", code="not_resumable")
     after = last_event_id(request.headers.get("last-event-id")
                           or request.query_params.get("last_event_id"))
+    # Tells the replica that served the first stream not to cancel it after its grace.
+    try:
+        await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
+                                       ex=ctx.settings.request_ttl_s)
+    except aioredis.RedisError as e:
+        raise APIError(503, f"request state unavailable: {e}", type="server_error",
+                       code="redis_unavailable", headers={"Retry-After": "1"}) from e
     return resume(ctx, request_id, StreamView.from_json(raw_view), after)
 
 

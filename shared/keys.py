@@ -10,6 +10,7 @@ request's keys from its id alone.
     {prefix}:{<replica>}:<id>              hash: state, worker, counts        (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel                      (TTL)
+    {prefix}:{<replica>}:<id>:resumed      set when a client resumes its stream (TTL)
     {prefix}:{<replica>}:wake              stream that wakes the replica's reader (TTL)
     {prefix}:worker:<name>                 heartbeat                          (TTL)
     {prefix}:workers:<model>               sorted set: live workers by heartbeat expiry (TTL)
@@ -61,6 +62,9 @@ class Keys:
 
     def abort(self, request_id: str) -> str:
         return f"{self._base(request_id)}:abort"
+
+    def resumed(self, request_id: str) -> str:
+        return f"{self._base(request_id)}:resumed"
 
     def wake(self, replica: str) -> str:
         return f"{self.prefix}:{{{replica}}}:wake"

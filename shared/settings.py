@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Result entries buffered per request in the API before its stream is paused in Redis.
     per_request_buffer: int = Field(default=256, ge=16)
+    # A streaming client that disconnects: its request runs on this long, so that the client
+    # can resume it (on any replica), before it is cancelled. 0: cancel at once.
+    resume_grace_s: float = Field(default=0.0, ge=0)
     # A client whose buffer stays full this long is cancelled.
     slow_client_timeout_s: float = Field(default=30.0, gt=0)
     # SIGTERM: how long open requests may finish before they are ended (API) or handed back

@@ -1,6 +1,7 @@
 """Resumable streams: every SSE event has an id, and `GET /v1/requests/{id}/stream` with
-`Last-Event-ID` continues a stream from any replica with no gap and no duplicate, including
-after the replica that served it was killed."""
+`Last-Event-ID` continues a stream from any replica with no gap and no duplicate: after the
+replica that served it was killed, and, with a resume grace, after the client's own
+connection dropped."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import redis
 
 from ops.probe import scrape
+from shared.keys import Keys
 from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
@@ -114,5 +117,43 @@ def test_killed_replica_stream_resumes_on_the_other(redis_url: str, tiny_model: 
         assert usage["completion_tokens"] == 300
         assert eventually(lambda: scrape(f"{stack.url(1)}/metrics")
                           ["redserve_api_inflight_requests"] == 0)
+    finally:
+        stack.stop()
+
+
+def test_with_a_resume_grace_a_dropped_client_resumes_and_an_absent_one_cancels(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    # A worker with a fixed 10 ms step (the synthetic stand-in model), so that a request
+    # outlives the grace whatever the machine's speed.
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2,
+                  env={"REDSERVE_RESUME_GRACE_S": "2", "REDSERVE_SYNTHETIC_STEP_MS": "10"}).start()
+    keys = Keys(stack.prefix)
+    try:
+        with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,
+                          timeout=60) as response:
+            reference = list(_events(response.iter_lines()))
+
+        # The client's own connection drops after 10 events; it comes back on the other
+        # replica within the grace and reads on: the whole text, nothing cancelled.
+        with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,
+                          timeout=60) as response:
+            request_id = response.headers["x-request-id"]
+            events = _events(response.iter_lines())
+            seen = [next(events) for _ in range(10)]
+        rest = _resume(stack.url(1), request_id, seen[-1][0])
+        assert [i for i, _ in seen + rest] == list(range(1, len(reference) + 1))
+        assert _text(seen + rest) == _text(reference)
+        assert sync_redis.hget(keys.state(request_id), "state") == b"done"
+
+        # One that never comes back is cancelled once the grace has passed.
+        with httpx.stream("POST", f"{stack.url(0)}/v1/completions", headers=AUTH, timeout=60,
+                          json={**_body(), "max_tokens": 500 - 4}) as response:
+            gone_id = response.headers["x-request-id"]
+            next(_events(response.iter_lines()))
+        assert sync_redis.hget(keys.state(gone_id), "state") == b"running"
+        assert eventually(lambda: sync_redis.hget(keys.state(gone_id), "state") == b"aborted",
+                          15)
+        assert scrape(f"{stack.url(0)}/metrics")["redserve_api_inflight_requests"] == 0
     finally:
         stack.stop()

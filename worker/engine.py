@@ -245,7 +245,7 @@ class Engine:
                 seq.pages, seq.page_keys = self.pages.match(seq.tokens)
                 seq.num_computed = len(seq.pages) * self.pages.page_size
                 if not seq.admitted:
-                    seq.num_cached = seq.num_computed
+                    seq.num_cached = min(seq.num_computed, seq.num_prompt)
             # Admit only a prompt whose every page is free now, so that half-done prompts
             # don't crowd each other out; its first chunk may still be smaller.
             if self.pages.pages_for(len(seq.tokens)) - len(seq.pages) > self.pages.available:
