@@ -57,8 +57,16 @@ def _redis_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+@dataclass
+class Counts:
+    requests: int = 0  # finished inside the window
+    tokens: int = 0  # token events received inside the window
+
+
 async def _client(base_url: str, body: dict[str, object], stop_at: float,
-                  done: list[int]) -> None:
+                  counts: Counts) -> None:
+    """Back-to-back streaming requests; only what arrives before `stop_at` counts, so the
+    requests still in flight at the end (queued ones can take several rounds) don't skew it."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         while time.monotonic() < stop_at:
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -66,21 +74,26 @@ async def _client(base_url: str, body: dict[str, object], stop_at: float,
                     await response.aread()
                     await asyncio.sleep(0.05)
                     continue
-                finished = False
                 async for line in response.aiter_lines():
-                    finished = finished or '"finish_reason":"length"' in line
-            done[0] += finished
+                    if time.monotonic() >= stop_at:
+                        return
+                    if not line.startswith('data: {"id"'):
+                        continue
+                    if '"finish_reason":"length"' in line:  # the closing event: no token
+                        counts.requests += 1
+                    else:
+                        counts.tokens += 1
 
 
-async def _drive(urls: list[str], args: argparse.Namespace) -> int:
+async def _drive(urls: list[str], args: argparse.Namespace) -> Counts:
     # Greedy: random sampling runs row by row on the worker, a cost of its own.
     body = {"model": DEFAULT_MODEL, "prompt": list(range(100, 116)), "max_tokens": args.tokens,
             "ignore_eos": True, "stream": True, "temperature": 0}
-    done = [0]
+    counts = Counts()
     stop_at = time.monotonic() + args.seconds
-    await asyncio.gather(*(_client(urls[i % len(urls)], body, stop_at, done)
+    await asyncio.gather(*(_client(urls[i % len(urls)], body, stop_at, counts)
                            for i in range(args.concurrency)))
-    return done[0]
+    return counts
 
 
 def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -> Result:
@@ -113,7 +126,7 @@ def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -
         redis_before = _redis_cpu(r)
         self_before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
-        done = asyncio.run(_drive(urls, args))
+        counts = asyncio.run(_drive(urls, args))
         wall = time.monotonic() - t0
         self_after = resource.getrusage(resource.RUSAGE_SELF)
         cpu = {
@@ -125,7 +138,8 @@ def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -
             "workers (all)": sum(_cpu_seconds(p.pid) - before[n] for n, p in procs.items()
                                  if n.startswith("worker")) / wall,
         }
-        return Result(workers, replicas, done / wall, done * args.tokens / wall, cpu)
+        return Result(workers, replicas, counts.requests / args.seconds,
+                      counts.tokens / args.seconds, cpu)
     finally:
         for p in procs.values():
             p.terminate()
