@@ -14,6 +14,7 @@ cannot reproduce, so only single-choice streams are resumable.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +27,10 @@ from api.responses import Kind
 from shared.messages import Error, Finish, ResultEntry, decode_result
 from shared.redis_conn import stream_reply
 
-READ_BLOCK_MS = 1000
+# A resumed stream polls its one key without blocking: a blocking read would hold one of the
+# replica's few blocking connections (its main reader's) per resumed stream, and its key may
+# sit in another cluster slot, so it cannot join the replica's multiplexed read.
+POLL_S = 0.05
 READ_COUNT = 64
 
 
@@ -73,13 +77,12 @@ class Replay:
         while not self._buffer:
             if self._ended:
                 raise StopAsyncIteration
-            left_ms = int((self.deadline - time.time()) * 1000)
-            if left_ms <= 0:
+            if time.time() > self.deadline:
                 self._buffer.append(Error("request timed out", "timeout", "request_timeout"))
                 break
             try:
-                reply = await self.ctx.clients.blocking.xread(
-                    {self._key: self._last}, count=READ_COUNT, block=min(left_ms, READ_BLOCK_MS))
+                reply = await self.ctx.clients.commands.xread({self._key: self._last},
+                                                              count=READ_COUNT)
             except aioredis.RedisError as e:
                 self._buffer.append(Error(f"result stream unavailable: {e}", "server_error",
                                           "redis_unavailable"))
@@ -88,6 +91,8 @@ class Replay:
                 for entry_id, fields in entries:
                     self._last = entry_id
                     self._buffer.append(decode_result(fields))
+            if not self._buffer:
+                await asyncio.sleep(POLL_S)
         entry = self._buffer.pop(0)
         if isinstance(entry, Finish | Error):
             self._ended = True
