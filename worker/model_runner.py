@@ -195,15 +195,15 @@ class ModelRunner:
         for g in range(0, len(order), DECODE_GROUP):
             members = order[g : g + DECODE_GROUP]
             width = -(-(rows[members[-1]].start + 1) // page_size)  # the longest is last
-            table = torch.zeros(len(members), width, dtype=torch.long)
-            lengths = torch.empty(len(members), dtype=torch.long)
-            for j, i in enumerate(members):
-                used = -(-(rows[i].start + 1) // page_size)
-                table[j, :used] = torch.tensor(rows[i].pages[:used])
-                lengths[j] = rows[i].start + 1
+            table: list[int] = []  # page tables padded to `width` with page 0 (masked out)
+            for i in members:
+                pages = rows[i].pages[: -(-(rows[i].start + 1) // page_size)]
+                table += [*pages, *[0] * (width - len(pages))]
+            lengths = torch.tensor([rows[i].start + 1 for i in members])
             mask = torch.arange(width * page_size)[None, :] < lengths[:, None]
             groups.append(_Decode(torch.tensor([lo + i for i in members], device=device),
-                                  table.flatten().to(device), mask[:, None, None, :].to(device)))
+                                  torch.tensor(table, device=device),
+                                  mask[:, None, None, :].to(device)))
         return groups
 
     def _attention(
