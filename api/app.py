@@ -11,7 +11,9 @@ from fastapi import FastAPI
 
 from api import errors
 from api.admission import Admission, QueueLimits
+from api.auth import APIKeys, AuthConfigError
 from api.context import AppContext, Live
+from api.guard import Guard
 from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.routes import router
@@ -29,6 +31,11 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.redis_url is None:
         raise ValueError("the API needs REDIS_URL (redserve up starts a server when it is unset)")
     redis_url = settings.redis_url
+    api_keys = APIKeys.load(settings.api_keys, settings.api_keys_file)
+    if not api_keys.enabled and not settings.no_auth:
+        raise AuthConfigError(
+            "no API keys: set REDSERVE_API_KEYS or REDSERVE_API_KEYS_FILE, or set "
+            "REDSERVE_NO_AUTH=true to serve without authentication")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,8 +86,10 @@ def create_app(settings: Settings) -> FastAPI:
             await clients.close()
 
     app = FastAPI(title="redserve", lifespan=lifespan)
+    app.state.api_keys = api_keys
     errors.install(app)
     app.include_router(router)
+    app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes)
     return app
 
 

@@ -1,7 +1,12 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Every failure a client can see has this shape, an unexpected exception included (500, its
+text only in the log: exception texts name hosts, files and internals).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from api.responses import json_response
+
+log = logging.getLogger("redserve.api")
 
 
 class APIError(Exception):
@@ -79,11 +86,20 @@ def install(app: FastAPI) -> None:
         message = str(first.get("msg", "invalid request"))
         if first.get("type") == "extra_forbidden":
             message = "this field is not supported by redserve"
+        elif first.get("type") == "json_invalid":
+            param, message = None, "the request body is not valid JSON"
         if param:
             message = f"{param}: {message}"
         return json_response(
             error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
         )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method,
+                  request.url.path, exc_info=exc)
+        return json_response(error_body("internal server error", "server_error", None,
+                                        "internal_error"), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:

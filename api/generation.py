@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import redis.asyncio as aioredis
@@ -20,6 +21,7 @@ from api.reader import Subscription
 from api.resume import StreamView
 from shared.messages import Error, Finish, GenerateRequest, RequestState, ResultEntry
 
+log = logging.getLogger("redserve.api")
 
 class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
@@ -60,7 +62,7 @@ class Generation:
             "created": f"{req.created:.3f}",
             "prompt_tokens": str(len(req.prompt_ids)),
             "replica": ctx.replica,
-            "owner": req.owner,
+            "tenant": req.tenant,
             "choices": str(max(self.siblings, 1)),
             **({"stream": self.view.to_json()} if self.view is not None else {}),
         })
@@ -177,5 +179,6 @@ class Generation:
 
 def _unavailable(ctx: AppContext, e: Exception) -> APIError:
     ctx.metrics.rejected.labels("redis_unavailable").inc()
-    return APIError(503, f"request queue unavailable: {e}", type="server_error",
+    log.warning("request queue unavailable: %s", e)
+    return APIError(503, "the request queue is unavailable; retry shortly", type="server_error",
                     code="redis_unavailable", headers={"Retry-After": "1"})

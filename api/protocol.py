@@ -1,4 +1,10 @@
-"""OpenAI request bodies. Unknown fields are refused (400 naming the field), never ignored."""
+"""OpenAI request bodies. Unknown fields are refused (400 naming the field), never ignored.
+
+Every input is bounded (the limits below, each refused with a 400 naming it), so no single
+request can make a replica do unbounded work: a stop string is scanned on every token, a
+choice is a queued request, a logit_bias entry is work in every sampling step. The body as a
+whole is bounded before it is parsed (`api.guard`), and the prompt by the model's context.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,27 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
+MAX_CHOICES = 128  # prompts x n in one request: each is a queued request of its own
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024
+MAX_PARTS = 256  # content parts of one message
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_NAME_CHARS = 256  # model, user, message name
+TOKEN_ID_DIGITS = 10
+INT64 = 2**63
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity (which Python's JSON parser accepts) are refused like any bad number.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class TextPart(_Strict):
@@ -21,8 +43,8 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    name: Name | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -39,39 +61,39 @@ class ResponseFormat(_Strict):
 
 
 class _Common(_Strict):
-    model: str
+    model: Name
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[
+        dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+        # Checked by `_bias_keys_are_ids` (for its message); stated here for the schema.
+        Field(max_length=MAX_LOGIT_BIAS,
+              json_schema_extra={"propertyNames": {"pattern": f"^[0-9]{{1,{TOKEN_ID_DIGITS}}}$"}}),
+    ] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("stop strings must not be empty")
-        return v
+    user: Name | None = None
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # Only ASCII digits: str.isdigit() also accepts "²" and other digits int() refuses.
+            if not (key.isascii() and key.isdigit() and len(key) <= TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys are token ids (decimal digits), got "
+                                 f"{key[:TOKEN_ID_DIGITS + 2]!r}")
         return v
 
     @model_validator(mode="after")
@@ -92,7 +114,7 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -112,17 +134,11 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
-            raise ValueError("prompt must not be empty")
-        return v
 
     @field_validator("suffix")
     @classmethod
@@ -130,6 +146,13 @@ class CompletionRequest(_Common):
         if v is not None:
             raise ValueError("suffix (fill-in-the-middle) is not supported")
         return None
+
+    @model_validator(mode="after")
+    def _bounded_choices(self) -> Any:
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} is over the limit of "
+                             f"{MAX_CHOICES} choices per request")
+        return self
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> Any:

@@ -7,6 +7,11 @@ replica's hash tag, so the whole read stays within one Redis Cluster slot. A req
 queue is nearly full is left out of the read until its client catches up: the tokens wait in
 Redis, not in this process. A client that stays that far behind for `slow_after_s` is reported
 through `on_slow_client`.
+
+Every request of the replica depends on this one task, so it must never die silently: an entry
+that cannot be decoded ends only its own request (with an error), and should the loop itself
+fail, it is logged and restarted after a short pause, its subscriptions intact; `/health`
+shows whether it runs and how often it was restarted.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ OUTAGE_AFTER_S = 1.0
 # catches up (a blocked XREAD would otherwise hold the stream paused for up to BLOCK_MS).
 PAUSED_BLOCK_MS = 20
 WAKE_MAXLEN = 64
+RESTART_PAUSE_S = 0.1
 
 
 @dataclass
@@ -69,6 +75,7 @@ class ResultReader:
     _wake_id: bytes | str = "0-0"
     _count: int = READ_COUNT
     _task: asyncio.Task[None] | None = None
+    restarts: int = 0
 
     @property
     def wake_key(self) -> str:
@@ -78,7 +85,11 @@ class ResultReader:
         self._count = min(READ_COUNT, self.buffer // 2)
         # Start reading the wake stream after an entry of our own: every later wake is newer.
         self._wake_id = await self._wake(self.clients.commands, ttl_s)
-        self._task = asyncio.create_task(self._run(), name="result-reader")
+        self._task = asyncio.create_task(self._supervise(), name="result-reader")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -104,6 +115,17 @@ class ResultReader:
         self.queue_wake(pipe, ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                await self._run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.restarts += 1
+                log.exception("result reader failed; restarting it (restart %d)", self.restarts)
+                await asyncio.sleep(RESTART_PAUSE_S)
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -134,7 +156,7 @@ class ResultReader:
                 log.warning("result reader: %s; retrying in %.2fs", e, backoff)
                 failing_since = failing_since or now
                 if now - failing_since >= OUTAGE_AFTER_S:
-                    self._fail_all(Error(f"lost the connection to Redis: {e}", "server_error",
+                    self._fail_all(Error("lost the connection to Redis", "server_error",
                                          "redis_unavailable"))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -157,8 +179,10 @@ class ResultReader:
             sub.last_id = entry_id
             try:
                 entry = decode_result(fields)
-            except (KeyError, ValueError) as e:
-                entry = Error(f"malformed result entry: {e}")
+            except Exception:
+                log.exception("malformed result entry %s in %s", entry_id, key)
+                entry = Error("the worker sent a malformed result entry", "server_error",
+                              "malformed_result")
             sub.queue.put_nowait(entry)
             if isinstance(entry, Finish | Error):
                 sub.ended = True

@@ -83,8 +83,8 @@ class Replay:
             try:
                 reply = await self.ctx.clients.commands.xread({self._key: self._last},
                                                               count=READ_COUNT)
-            except aioredis.RedisError as e:
-                self._buffer.append(Error(f"result stream unavailable: {e}", "server_error",
+            except aioredis.RedisError:
+                self._buffer.append(Error("the result stream is unavailable", "server_error",
                                           "redis_unavailable"))
                 break
             for _, entries in stream_reply(reply):

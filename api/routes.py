@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import time
 from typing import Any, cast
 
@@ -20,6 +20,8 @@ from api.serving import generate, resume
 from shared.messages import RequestState
 
 router = APIRouter()
+log = logging.getLogger("redserve.api")
+
 
 def _ctx(request: Request) -> AppContext:
     ctx: AppContext = request.app.state.ctx
@@ -28,12 +30,19 @@ def _ctx(request: Request) -> AppContext:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """Liveness: the process answers and reaches Redis."""
+    """Liveness: the process answers, reaches Redis, and its result reader runs."""
+    ctx = _ctx(request)
+    reader = {"alive": ctx.reader.alive, "restarts": ctx.reader.restarts}
     try:
-        await _ctx(request).clients.commands.ping()
+        await ctx.clients.commands.ping()
     except Exception as e:
-        return json_response({"status": "unavailable", "redis": str(e)}, status_code=503)
-    return json_response({"status": "ok"})
+        log.warning("health: Redis unreachable: %s", e)
+        return json_response({"status": "unavailable", "redis": "unreachable",
+                              "reader": reader}, status_code=503)
+    if not ctx.reader.alive:
+        return json_response({"status": "unavailable", "reader": reader}, status_code=503)
+    return json_response({"status": "ok", "reader": reader,
+                          "auth": "on" if request.app.state.api_keys.enabled else "off"})
 
 
 @router.get("/ready")
@@ -50,7 +59,8 @@ async def ready(request: Request) -> Response:
     try:
         _, live = await pipe.execute()
     except Exception as e:
-        return json_response({"status": "unavailable", "redis": str(e)}, status_code=503)
+        log.warning("ready: Redis unreachable: %s", e)
+        return json_response({"status": "unavailable", "redis": "unreachable"}, status_code=503)
     if not live:
         return json_response({"status": "no live worker for the model"}, status_code=503)
     return json_response({"status": "ok", "workers": live})
@@ -65,7 +75,7 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/requests/{request_id}/cancel")
 @router.delete("/v1/requests/{request_id}")
 async def cancel(request_id: str, request: Request) -> Response:
-    """Cancel a request by id, from any replica. Only its owner (same API key) may."""
+    """Cancel a request by id, from any replica. Only its tenant may."""
     ctx = _ctx(request)
     state = await _owned_state(ctx, request_id, request)
     current = state[b"state"].decode()
@@ -84,7 +94,7 @@ async def cancel(request_id: str, request: Request) -> Response:
 @router.get("/v1/requests/{request_id}/stream")
 async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
-    result stream lives. Only its owner may."""
+    result stream lives. Only its tenant may."""
     ctx = _ctx(request)
     state = await _owned_state(ctx, request_id, request)
     raw_view = state.get(b"stream")
@@ -98,8 +108,7 @@ async def resume_stream(request_id: str, request: Request) -> Response:
         await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
                                        ex=ctx.settings.request_ttl_s)
     except aioredis.RedisError as e:
-        raise APIError(503, f"request state unavailable: {e}", type="server_error",
-                       code="redis_unavailable", headers={"Retry-After": "1"}) from e
+        raise _state_unavailable(e) from e
     return resume(ctx, request_id, StreamView.from_json(raw_view), after)
 
 
@@ -123,7 +132,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = _ctx(request)
     _check_model(ctx, body.model)
     prompt_ids = await ctx.codec.encode_chat(body.messages)
-    return await generate(ctx, request, body, [prompt_ids], "chat", _owner(request))
+    return await generate(ctx, request, body, [prompt_ids], "chat", _tenant(request))
 
 
 @router.post("/v1/completions")
@@ -143,12 +152,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts.append(prompt)
     echoes = [ctx.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
-    return await generate(ctx, request, body, prompts, "text", _owner(request), echoes)
+    return await generate(ctx, request, body, prompts, "text", _tenant(request), echoes)
 
 
 async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> dict[bytes, bytes]:
-    """The request's hash, if the caller owns it; someone else's request looks exactly like a
-    missing one."""
+    """The request's hash, if the caller's tenant owns it; another tenant's request looks
+    exactly like a missing one."""
     missing = APIError(404, f"no request {request_id!r}", param="request_id", code="not_found")
     try:
         state_key = ctx.keys.state(request_id)
@@ -157,11 +166,16 @@ async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> di
     try:
         state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
     except aioredis.RedisError as e:
-        raise APIError(503, f"request state unavailable: {e}", type="server_error",
-                       code="redis_unavailable", headers={"Retry-After": "1"}) from e
-    if not state or state.get(b"owner", b"").decode() != _owner(request):
+        raise _state_unavailable(e) from e
+    if not state or state.get(b"tenant", b"").decode() != _tenant(request):
         raise missing
     return state
+
+
+def _state_unavailable(e: Exception) -> APIError:
+    log.warning("request state unavailable: %s", e)
+    return APIError(503, "request state is unavailable; retry shortly", type="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "1"})
 
 
 def _check_model(ctx: AppContext, model: str) -> None:
@@ -170,6 +184,7 @@ def _check_model(ctx: AppContext, model: str) -> None:
                        f"'{ctx.model.name}'.", param="model", code="model_not_found")
 
 
-def _owner(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
+def _tenant(request: Request) -> str:
+    """Set by `api.guard` for every /v1/ route."""
+    tenant: str = request.state.tenant
+    return tenant

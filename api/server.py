@@ -5,6 +5,7 @@ once, the way uvicorn does."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import FrameType
 
 import uvicorn
@@ -12,6 +13,8 @@ from fastapi import FastAPI
 
 from api.app import create_app, drain
 from shared.settings import Settings
+
+log = logging.getLogger("redserve.api")
 
 
 class DrainingServer(uvicorn.Server):
@@ -38,6 +41,13 @@ class DrainingServer(uvicorn.Server):
 
 def run(settings: Settings) -> None:
     app = create_app(settings)
+    keys = app.state.api_keys
+    if keys.enabled:
+        log.info("authentication on: %d API key(s) of %d tenant(s)", len(keys.by_digest),
+                 len(keys.tenants))
+    else:
+        log.warning("authentication is OFF (REDSERVE_NO_AUTH): any caller may use this "
+                    "replica; set REDSERVE_API_KEYS to require keys")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=5)
     DrainingServer(config, app, settings.drain_grace_s).run()

@@ -33,6 +33,7 @@ _ERROR_STATUS = {
     "server_shutdown": 503,
     "request_timeout": 504,
     "redis_unavailable": 503,
+    "sampling_failed": 400,
 }
 
 
@@ -50,7 +51,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
-        logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+        # "1" and "01" are one token: the last of them counts, once.
+        logit_bias=tuple({int(k): v for k, v in (body.logit_bias or {}).items()}.items()),
         logprobs=body.top_logprobs_count(),
     )
 
@@ -77,16 +79,18 @@ async def generate(
     body: ChatCompletionRequest | CompletionRequest,
     prompts: list[list[int]],
     kind: Kind,
-    owner: str,
+    tenant: str,
     echoes: list[str] | None = None,
 ) -> Response:
     now = time.time()
     base_id = new_request_id(ctx.replica)
     vocab = len(ctx.codec.tokenizer)
-    for t in [*(int(k) for k in (body.logit_bias or {})), *(body.stop_token_ids or ())]:
-        if t >= vocab:
-            raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1})",
-                           code="invalid_value")
+    for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                       ("stop_token_ids", body.stop_token_ids or [])):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary "
+                           f"(0..{vocab - 1})", param=param, code="invalid_value")
     requests = []
     for p_index, prompt_ids in enumerate(prompts):
         if not prompt_ids:
@@ -103,7 +107,7 @@ async def generate(
                 created=now,
                 queue_deadline=now + ctx.settings.queue_timeout_s,
                 deadline=now + ctx.settings.request_timeout_s,
-                owner=owner,
+                tenant=tenant,
                 trace_id=request.headers.get("x-trace-id", ""),
             ))
     stops = body.stop_strings()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -35,11 +36,16 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    "model's name or directory name) [env REDSERVE_SERVED_MODEL_NAME]")
 
 
-def _api_options(p: argparse.ArgumentParser, default_host: str) -> None:
+def _api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: str) -> None:
     p.add_argument("--host", default=None, help=f"address the API listens on (default "
                    f"{default_host}) [env REDSERVE_HOST]")
     p.add_argument("--port", type=int, default=None, help="API port (default 8000) "
                    "[env REDSERVE_PORT]")
+    p.add_argument("--api-keys-file", help="file of API keys, one `tenant:key` (or bare key) "
+                   "a line; keys can also be given in REDSERVE_API_KEYS, comma-separated "
+                   "[env REDSERVE_API_KEYS_FILE]")
+    p.add_argument("--no-auth", action="store_true", default=None, help="serve without API "
+                   f"keys ({no_auth_default}) [env REDSERVE_NO_AUTH]")
 
 
 def _worker_options(p: argparse.ArgumentParser) -> None:
@@ -74,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run everything locally: Redis (embedded unless REDIS_URL "
                         "is set), one API replica and one worker; Ctrl-C stops it all",
                         description="Run the whole system in one process tree.")
-    _api_options(up, "127.0.0.1")
+    _api_options(up, "127.0.0.1", "the default when no key is set and the host is a "
+                 "loopback address; anywhere else keys are required unless this is given")
     _model_options(up)
     _worker_options(up)
     up.add_argument("--replicas", type=_positive, default=1, help="API replicas, on consecutive "
@@ -83,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
 
     api = sub.add_parser("api", help="run one API replica against REDIS_URL",
                          description="Run one stateless API replica against REDIS_URL.")
-    _api_options(api, "0.0.0.0")
+    _api_options(api, "0.0.0.0", "without it, a replica with no key configured refuses "
+                 "to start")
     _model_options(api)
 
     worker = sub.add_parser("worker", help="run one worker against REDIS_URL",
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
                         handlers=[RichHandler(console=console, show_path=False)])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "api":
-        run_api(_settings(args, "host", "port", "model", "served_model_name"))
+        run_api(_settings(args, "host", "port", "model", "served_model_name", "api_keys_file",
+                          "no_auth"))
     elif args.command == "worker":
         run_worker(_settings(args, "model", "served_model_name", "device", "max_running",
                              "kv_cache_memory", "page_size", "max_prefill_tokens",
@@ -119,10 +128,15 @@ def _require_redis(settings: Settings) -> None:
 
 
 def run_api(settings: Settings) -> None:
+    from api.auth import AuthConfigError
     from api.server import run
 
     _require_redis(settings)
-    run(settings)
+    try:
+        run(settings)
+    except AuthConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        sys.exit(2)
 
 
 def run_worker(settings: Settings) -> None:
@@ -137,13 +151,14 @@ def run_up(args: argparse.Namespace) -> int:
     from ops.embedded_redis import EmbeddedRedis
 
     host = args.host or "127.0.0.1"
-    settings = _settings(args, "port", "model", "served_model_name")
+    settings = _settings(args, "port", "model", "served_model_name", "api_keys_file", "no_auth")
+    auth_env = _auth_env(settings, host)
     with console.status(f"preparing model {settings.model} (the first start converts it)"):
         info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
     console.print(f"model [bold]{info.name}[/bold] at {info.path}")
 
     embedded: EmbeddedRedis | None = None
-    env = dict(os.environ)
+    env = {**os.environ, **auth_env}
     if settings.redis_url is None:
         embedded = EmbeddedRedis()
         env["REDIS_URL"] = embedded.start()
@@ -187,6 +202,38 @@ def run_up(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return code
+
+
+def _auth_env(settings: Settings, host: str) -> dict[str, str]:
+    """What the replicas need to know about authentication; exits if keys are required and
+    none is set."""
+    from api.auth import APIKeys, AuthConfigError
+
+    try:
+        keys = APIKeys.load(settings.api_keys, settings.api_keys_file)
+    except AuthConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        sys.exit(2)
+    file_env = ({"REDSERVE_API_KEYS_FILE": str(settings.api_keys_file)}
+                if settings.api_keys_file else {})
+    if keys.enabled:
+        console.print(f"authentication on: {len(keys.by_digest)} API key(s)")
+        return file_env
+    if not settings.no_auth and not _is_loopback(host):
+        console.print(f"[red]no API keys, and {host} is not a loopback address[/red]: set "
+                      "REDSERVE_API_KEYS or --api-keys-file, or pass --no-auth to serve "
+                      "without authentication")
+        sys.exit(2)
+    console.print(f"[yellow]authentication is off[/yellow] (no API key set; listening on "
+                  f"{host}); set REDSERVE_API_KEYS or --api-keys-file to require keys")
+    return {"REDSERVE_NO_AUTH": "true"}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _wait_ready(host: str, port: int, children: list[subprocess.Popen[bytes]],

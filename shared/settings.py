@@ -45,6 +45,13 @@ class Settings(BaseSettings):
     # API replica.
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
+    # API keys (see api/auth.py): comma-separated `tenant:key` or bare keys, and/or a file of
+    # them, one a line. A replica without keys refuses to start unless `no_auth` is set.
+    api_keys: str = ""
+    api_keys_file: Path | None = None
+    no_auth: bool = False
+    # Largest request body accepted (413 beyond it), checked before it is parsed.
+    max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)
     # Result entries buffered per request in the API before its stream is paused in Redis.
     per_request_buffer: int = Field(default=256, ge=16)
     # A streaming client that disconnects: its request runs on this long, so that the client

@@ -27,6 +27,8 @@ def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str
     if redis_url is not None:
         env["REDIS_URL"] = redis_url
     env["REDSERVE_KEY_PREFIX"] = prefix
+    # Authentication is off unless a test gives keys (and then it is on: keys win).
+    env["REDSERVE_NO_AUTH"] = "true"
     env.update(extra)
     return env
 

@@ -26,7 +26,8 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
     [model] = client.models.list().data
     assert model.id == MODEL
     assert model.model_extra and model.model_extra["max_model_len"] == 512
-    assert httpx.get(f"{tiny_stack.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{tiny_stack.base_url}/health").json() == {
+        "status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off"}
     assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {"status": "ok", "workers": 1}
 
 

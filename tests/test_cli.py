@@ -54,6 +54,26 @@ def test_api_without_redis_url_refuses_to_start() -> None:
     assert result.returncode == 2 and "REDIS_URL" in result.stderr
 
 
+def _without_auth_choice(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a user who has said nothing about authentication."""
+    return {k: v for k, v in env.items() if k not in ("REDSERVE_NO_AUTH", "REDSERVE_API_KEYS")}
+
+
+def test_without_keys_a_replica_refuses_to_start_unless_told_to_serve_openly() -> None:
+    env = {**_without_auth_choice(child_env("redis://127.0.0.1:1", "rs"))}
+    api = subprocess.run([sys.executable, "-m", "ops.cli", "api"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    said = " ".join(api.stderr.split())  # rich wraps lines
+    assert api.returncode == 2 and "REDSERVE_API_KEYS" in said and "REDSERVE_NO_AUTH" in said
+    # `up` on an address other machines can reach: keys or an explicit --no-auth.
+    up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--host", "0.0.0.0"],
+                        capture_output=True, text=True, env=env, timeout=60)
+    assert up.returncode == 2 and "--no-auth" in up.stderr, up.stderr
+    bad = subprocess.run([sys.executable, "-m", "ops.cli", "up"], capture_output=True,
+                         text=True, env={**env, "REDSERVE_API_KEYS": "team:short"}, timeout=60)
+    assert bad.returncode == 2 and "at least 8 characters" in " ".join(bad.stderr.split())
+
+
 @pytest.mark.parametrize(("how", "replicas", "workers"), [("ctrl-c", 1, 1), ("sigterm", 2, 2)])
 def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
     tiny_model: Path, how: str, replicas: int, workers: int
@@ -65,7 +85,7 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
     up = subprocess.Popen(
         [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model", str(tiny_model),
          "--served-model-name", "tiny", "--replicas", str(replicas), "--workers", str(workers)],
-        env=child_env(None, "rsup"), start_new_session=True,
+        env=_without_auth_choice(child_env(None, "rsup")), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
@@ -95,6 +115,9 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
         else:
             up.send_signal(signal.SIGTERM)  # an init system signals the parent only
         assert up.wait(60) == 0
+        # No key and a loopback address: authentication is off, and `up` says so.
+        assert up.stdout is not None
+        assert "authentication is off" in " ".join(up.stdout.read().decode().split())
         deadline = time.monotonic() + 10
         while _session_members(up.pid) and time.monotonic() < deadline:
             time.sleep(0.1)

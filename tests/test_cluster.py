@@ -85,12 +85,13 @@ def test_requests_stream_cancel_and_resume_on_a_cluster(cluster_url: str,
                                                          tiny_model: Path) -> None:
     # One request at a time, so a second one waits in the queue long enough to be cancelled.
     stack = Stack(cluster_url, tiny_model, served_name=MODEL, replicas=2,
-                  env={"REDSERVE_REDIS_CLUSTER": "true", "REDSERVE_MAX_RUNNING": "1"}).start()
+                  env={"REDSERVE_REDIS_CLUSTER": "true", "REDSERVE_MAX_RUNNING": "1",
+                       "REDSERVE_API_KEYS": "cluster:sk-cluster-test"}).start()
     cluster = RedisCluster.from_url(cluster_url)
-    auth = {"Authorization": "Bearer cluster-test"}
+    auth = {"Authorization": "Bearer sk-cluster-test"}
     try:
         for i in range(2):
-            client = openai.OpenAI(base_url=f"{stack.url(i)}/v1", api_key="cluster-test")
+            client = openai.OpenAI(base_url=f"{stack.url(i)}/v1", api_key="sk-cluster-test")
             reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8,
                                               temperature=0)
             assert reply.usage is not None and reply.usage.completion_tokens == 8
@@ -113,7 +114,7 @@ def test_requests_stream_cancel_and_resume_on_a_cluster(cluster_url: str,
         # A queued request cancelled through the other replica ends as aborted.
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(httpx.post, f"{stack.url(0)}/v1/completions", timeout=60,
-                               json={**body, "max_tokens": 400, "stream": False})
+                               json={**body, "max_tokens": 400, "stream": False}, headers=auth)
             requests = f"{stack.prefix}:requests"
             assert eventually(lambda: cluster.xpending(requests, "workers")["pending"] == 1)
             with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=body,

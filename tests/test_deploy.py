@@ -33,7 +33,11 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
     assert services["redis"]["image"].startswith("redis:7")
     assert services["api"]["deploy"]["replicas"] == 2
     assert "ports" not in services["api"]  # reached through nginx only
-    assert services["nginx"]["ports"] == ["8000:80"]
+    # Without keys the local stack serves openly, so it listens on loopback only.
+    assert services["nginx"]["ports"] == ["127.0.0.1:8000:80"]
+    api_env = services["api"]["environment"]
+    assert api_env["REDSERVE_NO_AUTH"] == "true"
+    assert api_env["REDSERVE_API_KEYS"] == "${REDSERVE_API_KEYS:-}"
     assert services["nginx"]["depends_on"]["api"]["condition"] == "service_healthy"
     nginx_conf = (ROOT / "ops" / "nginx.conf").read_text()
     mount = services["nginx"]["volumes"][0]
@@ -87,6 +91,9 @@ def test_kubernetes_manifests_declare_the_serving_topology() -> None:
     for key in config:  # every key is a real setting
         assert key.removeprefix("REDSERVE_").lower() in Settings.model_fields, key
     assert "REDIS_URL" in docs[("Secret", "redserve-redis")]["stringData"]
+    # Keys are required in a cluster: none is shipped, and nothing turns authentication off.
+    assert docs[("Secret", "redserve-api-keys")]["stringData"] == {"REDSERVE_API_KEYS": ""}
+    assert all("NO_AUTH" not in path.read_text() for path in (ROOT / "ops" / "k8s").iterdir())
 
     for component in ("api", "worker"):
         deployment = docs[("Deployment", f"redserve-{component}")]
@@ -97,7 +104,8 @@ def test_kubernetes_manifests_declare_the_serving_topology() -> None:
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             assert probe in container, (component, probe)
         sources = {next(iter(s.values()))["name"] for s in container["envFrom"]}
-        assert sources == {"redserve", "redserve-redis"}
+        keys = {"redserve-api-keys"} if component == "api" else set()
+        assert sources == {"redserve", "redserve-redis", *keys}
         pdb = docs[("PodDisruptionBudget", f"redserve-{component}")]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 

@@ -23,6 +23,7 @@ from shared.models import ModelInfo
 from worker.engine import AdmissionError, Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
+from worker.pages import ROOT_KEY, PageManager
 
 
 def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> GenerateRequest:
@@ -247,3 +248,45 @@ def test_smollm2_greedy_matches_generate(smollm2: ModelInfo) -> None:
         for req in reqs:
             assert got[req.id] == _hf_greedy(model, list(req.prompt_ids), 24), req.id
     _assert_pages_back(engine)
+
+
+def test_a_row_whose_sampling_fails_ends_alone() -> None:
+    # A logit_bias id past the model's logits (a tokenizer larger than the model's vocabulary
+    # lets one through the API's check): that request ends with an error, its batch goes on.
+    model = _tiny("llama")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    alone = _run(_engine(model), {0: [_request(i, p, 12) for i, p in enumerate(prompts)]})
+    engine = _engine(model)
+    for i, p in enumerate(prompts):
+        engine.add(_request(i, p, 12))
+    engine.add(_request(9, [5, 6, 7], 12, logit_bias=((5000, 1.0),)))
+    out: dict[str, list[int | None]] = {}
+    errors = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.error is not None:
+                errors[o.request_id] = o.error
+            else:
+                out.setdefault(o.request_id, []).append(o.token)
+    assert list(errors) == ["t-9"] and "t-9" not in out
+    assert out == alone
+    _assert_pages_back(engine)
+
+
+def test_page_keys_are_keyed_digests_of_the_whole_chain() -> None:
+    a, b = PageManager(8, 2), PageManager(8, 2)
+    # Keyed: another worker (another secret) gives the same tokens another key, so keys cannot
+    # be predicted, nor collisions searched for, from outside.
+    assert a.chain(ROOT_KEY, (1, 2)) != b.chain(ROOT_KEY, (1, 2))
+    # Chained: the same page after another prefix is another page.
+    assert (a.chain(a.chain(ROOT_KEY, (1, 2)), (3, 4))
+            != a.chain(a.chain(ROOT_KEY, (9, 9)), (3, 4)))
+    pages = a.allocate(3)
+    assert pages is not None
+    keys: list[bytes] = []
+    a.publish([1, 2, 3, 4, 5], pages, keys, 5)
+    assert len(keys) == 2
+    a.release(pages)
+    assert a.match([9, 9, 3, 4, 5]) == ([], [])
+    reused, reused_keys = a.match([1, 2, 3, 4, 6])
+    assert reused == pages[:2] and reused_keys == keys

@@ -77,29 +77,6 @@ def test_non_streaming_client_that_hangs_up_stops_the_work(
     assert sync_redis.ttl(keys.abort(request_id)) > 0
 
 
-def test_owner_cancels_by_id_from_any_replica(tiny_stack: Stack, sync_redis: redis.Redis) -> None:
-    owner = {"Authorization": "Bearer alice"}
-    url = tiny_stack.base_url
-    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
-                      headers=owner, timeout=30) as response:
-        request_id = response.headers["x-request-id"]
-        events = _sse(response)
-        next(events)
-        # Someone else cannot see it, let alone cancel it.
-        stranger = httpx.post(f"{url}/v1/requests/{request_id}/cancel",
-                              headers={"Authorization": "Bearer mallory"})
-        assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "not_found"
-        cancelled = httpx.post(f"{url}/v1/requests/{request_id}/cancel", headers=owner)
-        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
-        rest = list(events)
-    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
-    assert len(rest) < 480
-    again = httpx.delete(f"{url}/v1/requests/{request_id}", headers=owner)
-    assert again.json() == {"id": request_id, "object": "request", "state": "aborted",
-                            "cancelled": False}
-    assert httpx.delete(f"{url}/v1/requests/nonsense", headers=owner).status_code == 404
-
-
 def test_cancelled_before_any_worker_took_it_is_never_prefilled(
     scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis, redis_url: str,
     tiny_model: Path,
@@ -248,7 +225,10 @@ def test_a_failing_step_errors_its_requests_and_the_worker_serves_on(faulty: Sta
     response = httpx.post(f"{faulty.base_url}/v1/completions", json=bad, timeout=30)
     assert response.status_code == 500
     error = response.json()["error"]
-    assert "injected fault" in error["message"] and error["type"] == "server_error"
+    assert error["type"] == "server_error" and "step failed" in error["message"]
+    # The exception's own text stays in the worker's log, never reaches the client.
+    assert "injected fault" not in error["message"]
+    assert "injected fault" in faulty.logs[0].read_text()
     with httpx.stream("POST", f"{faulty.base_url}/v1/completions", json={**bad, "stream": True},
                       timeout=30) as streamed:
         assert streamed.status_code == 200

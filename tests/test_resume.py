@@ -19,7 +19,9 @@ from shared.keys import Keys
 from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
-AUTH = {"Authorization": "Bearer resume-test"}
+# Two tenants: the one that makes the requests, and a stranger.
+KEYS = {"REDSERVE_API_KEYS": "resume:sk-resume-test,stranger:sk-someone-else"}
+AUTH = {"Authorization": "Bearer sk-resume-test"}
 
 
 def _body(**extra: object) -> dict[str, object]:
@@ -57,7 +59,7 @@ def _resume(base_url: str, request_id: str, after: int) -> list[tuple[int, str]]
 
 @pytest.fixture(scope="module")
 def two_replicas(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2).start()
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, env=KEYS).start()
     yield stack
     stack.stop()
 
@@ -77,7 +79,7 @@ def test_a_finished_stream_replays_identically_from_any_replica(two_replicas: St
 
     # Someone else's request looks like a missing one; a non-streamed one is not resumable.
     other = httpx.get(f"{two_replicas.url(1)}/v1/requests/{request_id}/stream",
-                      headers={"Authorization": "Bearer someone-else"})
+                      headers={"Authorization": "Bearer sk-someone-else"})
     assert other.status_code == 404
     plain = httpx.post(f"{two_replicas.url(0)}/v1/completions", headers=AUTH, timeout=60,
                        json={**_body(max_tokens=4), "stream": False, "stream_options": None})
@@ -88,7 +90,7 @@ def test_a_finished_stream_replays_identically_from_any_replica(two_replicas: St
 
 
 def test_killed_replica_stream_resumes_on_the_other(redis_url: str, tiny_model: Path) -> None:
-    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2).start()
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, env=KEYS).start()
     try:
         with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,
                           timeout=60) as response:
@@ -127,7 +129,8 @@ def test_with_a_resume_grace_a_dropped_client_resumes_and_an_absent_one_cancels(
     # A worker with a fixed 10 ms step (the synthetic stand-in model), so that a request
     # outlives the grace whatever the machine's speed.
     stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2,
-                  env={"REDSERVE_RESUME_GRACE_S": "2", "REDSERVE_SYNTHETIC_STEP_MS": "10"}).start()
+                  env={**KEYS, "REDSERVE_RESUME_GRACE_S": "2",
+                       "REDSERVE_SYNTHETIC_STEP_MS": "10"}).start()
     keys = Keys(stack.prefix)
     try:
         with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.messages import SamplingParams
-from worker.sampler import Row, make_generator, sample
+from worker.sampler import Row, SamplingError, make_generator, sample
 
 
 def _one(logits: list[float], output: tuple[int, ...] = (), prompt: tuple[int, ...] = (),
@@ -53,3 +53,28 @@ def test_min_p_and_top_k_cut_the_tail() -> None:
     assert draws == {0}
     draws = {_one([1.0, 1.0, 0.9, 0.0], temperature=1.0, seed=s, top_k=2)[0] for s in range(40)}
     assert draws == {0, 1}
+
+
+def test_extreme_parameters_stay_finite() -> None:
+    logits = [1.0, 3.0, 2.0, -1.0]
+    for params in ({"temperature": 1e-40, "logprobs": 3},
+                   {"repetition_penalty": 1e-300, "logprobs": 3},
+                   {"repetition_penalty": 1e-300, "temperature": 1.0, "seed": 3, "logprobs": 3},
+                   {"temperature": 1e-5, "seed": 1, "top_p": 1e-300, "min_p": 1.0},
+                   {"logit_bias": ((0, 100.0), (1, -100.0)), "logprobs": 3}):
+        token, logprob = _one(logits, prompt=(1, 2, 0), **params)
+        assert 0 <= token < 4
+        if logprob is not None:
+            chosen, top = logprob  # type: ignore[misc]
+            assert all(math.isfinite(v) and v >= -9999.0 for v in [chosen, *(lp for _, lp in top)])
+    # A temperature below 1e-5 is greedy, as in vLLM.
+    assert {_one(logits, temperature=1e-9, seed=s)[0] for s in range(10)} == {1}
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    p = SamplingParams(max_tokens=1, temperature=1.0, seed=1)
+    rows = [Row(p, make_generator(p, torch.device("cpu")), (), 0) for _ in range(3)]
+    logits = torch.tensor([[1.0, 2.0], [float("nan")] * 2, [3.0, 1.0]])
+    good, bad, other = sample(logits, rows)
+    assert isinstance(bad, SamplingError)
+    assert isinstance(good, tuple) and isinstance(other, tuple)

@@ -27,7 +27,7 @@ from shared.messages import FinishReason, GenerateRequest, TokenLogprob
 from worker.kv_cache import KVPool, KVShape
 from worker.model_runner import Chunk
 from worker.pages import PageManager
-from worker.sampler import Row, make_generator, sample
+from worker.sampler import Row, SamplingError, make_generator, sample
 
 
 class Runner(Protocol):
@@ -56,7 +56,7 @@ class Sequence:
     generator: torch.Generator | None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     pages: list[int] = field(default_factory=list)  # the page table
-    page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full pages
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     num_computed: int = 0  # tokens whose KV is in its pages
     num_cached: int = 0  # prompt tokens taken from the prefix cache at first admission
     admitted: bool = False
@@ -80,6 +80,7 @@ class StepOutput:
     completion_tokens: int
     logprob: TokenLogprob | None = None
     cached_tokens: int = 0
+    error: str | None = None  # set instead of a token when this request's sampling failed
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,9 @@ class Engine:
             if chunk.sample:
                 sampled.append(seq)
         rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
-        chosen = sample(logits, rows)
-        return [self._append(seq, token, logprob)
-                for seq, (token, logprob) in zip(sampled, chosen, strict=True)]
+        return [self._fail(seq, str(choice)) if isinstance(choice, SamplingError)
+                else self._append(seq, *choice)
+                for seq, choice in zip(sampled, sample(logits, rows), strict=True)]
 
     def _schedule_decodes(self) -> list[tuple[Sequence, int]]:
         scheduled: list[tuple[Sequence, int]] = []
@@ -307,6 +308,13 @@ class Engine:
             logprob=logprob if shown is not None else None,
             cached_tokens=seq.num_cached,
         )
+
+    def _fail(self, seq: Sequence, error: str) -> StepOutput:
+        """End one request whose sampling failed; the rest of the batch is unharmed."""
+        del self.running[seq.request.id]
+        self._release(seq)
+        return StepOutput(seq.request.id, seq.num_output, None, None, seq.num_prompt,
+                          seq.num_output, error=error)
 
     def _release(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)

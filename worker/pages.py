@@ -1,18 +1,24 @@
 """Page allocation with prefix reuse: a free list, reference counts and a hash-chained index.
 
 A full page is identified by its tokens and, through the chain, every token before it: its key
-is `hash((previous page's key, its tokens))`. Once computed, a full page is published under its
-key, so a later request whose prompt starts with the same tokens takes the page instead of
-recomputing it. Published pages nobody references stay cached until the free list runs dry;
-then the least recently released one is evicted and reused.
+is a keyed BLAKE2b digest of (the previous page's key, its tokens), under a secret drawn when the
+manager is made. A client cannot find two prompts whose chains collide (not even by searching
+offline: it does not know the secret), so no request can reuse, or poison, KV computed for
+another's different prefix; the page's own tokens are still compared on a match. Once computed,
+a full page is published under its key, so a later request whose prompt starts with the same
+tokens takes the page instead of recomputing it. Published pages nobody references stay cached
+until the free list runs dry; then the least recently released one is evicted and reused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-ROOT_KEY = 0
+ROOT_KEY = b""
 
 
 class PageManager:
@@ -22,8 +28,9 @@ class PageManager:
         self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
-        self._page_by_key: dict[int, int] = {}
-        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (key, its tokens)
+        self._secret = secrets.token_bytes(32)
+        self._page_by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (key, its tokens)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
 
     @property
@@ -44,20 +51,26 @@ class PageManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def chain(self, key: bytes, chunk: tuple[int, ...]) -> bytes:
+        """The key of a page holding `chunk` after the page whose key is `key`."""
+        digest = hashlib.blake2b(key, digest_size=16, key=self._secret)
+        digest.update(array("q", chunk).tobytes())
+        return digest.digest()
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached pages that start `tokens`, referenced for the caller, and their keys.
 
         At least one token is always left over: the model must run on the last prompt token
         to produce the first output token's logits.
         """
         pages: list[int] = []
-        keys: list[int] = []
+        keys: list[bytes] = []
         if not self.prefix_caching:
             return pages, keys
         key = ROOT_KEY
         for i in range((len(tokens) - 1) // self.page_size):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            key = hash((key, chunk))
+            key = self.chain(key, chunk)
             page = self._page_by_key.get(key)
             if page is None or self._key_of[page][1] != chunk:
                 break
@@ -91,7 +104,7 @@ class PageManager:
                 else:
                     self._free.append(page)
 
-    def publish(self, tokens: Sequence[int], pages: Sequence[int], keys: list[int],
+    def publish(self, tokens: Sequence[int], pages: Sequence[int], keys: list[bytes],
                 num_computed: int) -> None:
         """Publish the request's newly completed full pages; `keys` (the request's chain so
         far) is extended in place."""
@@ -100,7 +113,7 @@ class PageManager:
         key = keys[-1] if keys else ROOT_KEY
         for i in range(len(keys), num_computed // self.page_size):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            key = hash((key, chunk))
+            key = self.chain(key, chunk)
             keys.append(key)
             page = pages[i]
             if key not in self._page_by_key and page not in self._key_of:

@@ -61,6 +61,9 @@ class Publisher:
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
+            if out.error is not None:
+                self.stage_error(out.request_id, Error(
+                    f"sampling failed: {out.error}", "invalid_request_error", "sampling_failed"))
             if out.token is not None:
                 logprobs = (out.logprob,) if out.logprob is not None else None
                 self._xadd(out.request_id, Tokens(out.index, (out.token,), logprobs).to_fields())

@@ -199,9 +199,10 @@ class WorkerService:
         try:
             outputs = await step
         except Exception as e:  # a failed forward must not take the worker down
-            log.exception("step failed; ending the requests in it")
+            # The exception's text stays in the log: it may name internals.
+            log.exception("step failed (%s); ending the requests in it", type(e).__name__)
             self.metrics.step_failures.inc()
-            message = f"worker step failed: {type(e).__name__}: {e}"
+            message = "the worker's model step failed; see the worker's log"
             for seq in self.engine.drop_running():
                 self.publisher.stage_error(seq.request.id, Error(message))
             return []

@@ -1,0 +1,90 @@
+"""The door of every `/v1/` route, before any of the body is read: the caller's API key
+(401 without a valid one) and the body's size (413 past `max_body_bytes`).
+
+A pure ASGI middleware rather than a FastAPI dependency, because FastAPI reads and parses the
+whole body before it resolves dependencies: a stranger, or an oversized body, would cost the
+replica that work first. The body is read here, up to the limit, and handed on whole; later
+`receive` calls go to the server as usual, so a handler still sees the client's disconnect.
+The caller's tenant is left in `request.state.tenant`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.auth import APIKeys
+from api.errors import error_body
+
+GUARDED = "/v1/"
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, keys: APIKeys, max_body_bytes: int) -> None:
+        self.app = app
+        self.keys = keys
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        tenant = self.keys.tenant(headers.get("authorization"))
+        if tenant is None:
+            given = "authorization" in headers
+            await _reply(send, 401, error_body(
+                "Incorrect API key provided." if given else
+                "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                "invalid_request_error", None, "invalid_api_key"),
+                [(b"www-authenticate", b'Bearer realm="redserve"')])
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before it finished sending: nothing to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        await _reply(send, 413, error_body(
+            f"the request body is larger than the limit of {self.max_body_bytes} bytes",
+            "invalid_request_error", None, "request_too_large"))
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _reply(send: Send, status: int, payload: dict[str, Any],
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    content = orjson.dumps(payload)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+        *(extra or [])]})
+    await send({"type": "http.response.body", "body": content})
