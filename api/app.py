@@ -89,7 +89,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.api_keys = api_keys
     errors.install(app)
     app.include_router(router)
-    app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     return app
 
 

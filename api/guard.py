@@ -3,13 +3,16 @@
 
 A pure ASGI middleware rather than a FastAPI dependency, because FastAPI reads and parses the
 whole body before it resolves dependencies: a stranger, or an oversized body, would cost the
-replica that work first. The body is read here, up to the limit, and handed on whole; later
-`receive` calls go to the server as usual, so a handler still sees the client's disconnect.
+replica that work first. The body is read here, up to the limit and within
+`body_timeout_s` (a client trickling bytes gets 408, not a connection held for ever), and
+handed on whole; later `receive` calls go to the server as usual, so a handler still sees the
+client's disconnect.
 The caller's tenant is left in `request.state.tenant`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -22,10 +25,12 @@ GUARDED = "/v1/"
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, keys: APIKeys, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, keys: APIKeys, max_body_bytes: int,
+                 body_timeout_s: float) -> None:
         self.app = app
         self.keys = keys
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
@@ -49,18 +54,32 @@ class Guard:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large(send)
             return
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            await _reply(send, 408, error_body(
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                "invalid_request_error", None, "request_timeout"))
+            return
+        if body is None:
+            return  # gone before it finished sending: nothing to answer
+        if len(body) > self.max_body_bytes:
+            await self._too_large(send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or as soon as it passes the limit what came so far; None if the
+        client left."""
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # gone before it finished sending: nothing to answer
+                return None
             body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await self._too_large(send)
-                return
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(bytes(body), receive), send)
+            if len(body) > self.max_body_bytes or not message.get("more_body", False):
+                return bytes(body)
 
     async def _too_large(self, send: Send) -> None:
         await _reply(send, 413, error_body(

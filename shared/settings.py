@@ -50,8 +50,10 @@ class Settings(BaseSettings):
     api_keys: str = ""
     api_keys_file: Path | None = None
     no_auth: bool = False
-    # Largest request body accepted (413 beyond it), checked before it is parsed.
+    # Largest request body accepted (413 beyond it), checked before it is parsed, and how long
+    # a client may take to send it (408 after that).
     max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)
+    body_timeout_s: float = Field(default=30.0, gt=0)
     # Result entries buffered per request in the API before its stream is paused in Redis.
     per_request_buffer: int = Field(default=256, ge=16)
     # A streaming client that disconnects: its request runs on this long, so that the client

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,7 +205,8 @@ def test_hostile_streams_end_cleanly(tiny_stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def scripted(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     """An API replica with no worker: the test writes the worker's side."""
-    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0).start()
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0,
+                  env={"REDSERVE_BODY_TIMEOUT_S": "1"}).start()
     yield stack
     stack.stop()
 
@@ -244,6 +246,16 @@ def test_a_malformed_result_entry_ends_only_its_request(
                                                                         "restarts": 0}
     for rid in (victim.id, bystander.id):
         sync_redis.delete(keys.out(rid), keys.state(rid))
+
+
+def test_a_body_that_never_finishes_gets_408_and_holds_nothing_up(scripted: Stack) -> None:
+    with socket.create_connection(("127.0.0.1", scripted.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mo")
+        # Meanwhile the replica answers others at once.
+        assert httpx.get(f"{scripted.base_url}/v1/models", timeout=2).status_code == 200
+        reply = conn.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply
 
 
 class _FailsOnce(ResultReader):

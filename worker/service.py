@@ -237,7 +237,7 @@ class WorkerService:
                 eid = entry_id.decode()
                 try:
                     claimed.append(Claimed(eid, GenerateRequest.from_fields(fields), (), False, 1))
-                except ValueError:
+                except (KeyError, ValueError):
                     # The API validates everything it enqueues; a foreign entry has nowhere
                     # to send an error, so drop it.
                     log.error("dropping malformed request entry %s", eid)
