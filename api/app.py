@@ -11,9 +11,9 @@ from fastapi import FastAPI
 
 from api import errors
 from api.admission import Admission, QueueLimits
-from api.auth import APIKeys, AuthConfigError
+from api.auth.guard import Guard
+from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext, Live
-from api.guard import Guard
 from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.routes import router

@@ -3,7 +3,7 @@
 Every input is bounded (the limits below, each refused with a 400 naming it), so no single
 request can make a replica do unbounded work: a stop string is scanned on every token, a
 choice is a queued request, a logit_bias entry is work in every sampling step. The body as a
-whole is bounded before it is parsed (`api.guard`), and the prompt by the model's context.
+whole is bounded before it is parsed (`api.auth.guard`), and the prompt by the model's context.
 """
 
 from __future__ import annotations

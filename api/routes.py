@@ -185,6 +185,6 @@ def _check_model(ctx: AppContext, model: str) -> None:
 
 
 def _tenant(request: Request) -> str:
-    """Set by `api.guard` for every /v1/ route."""
+    """Set by `api.auth.guard` for every /v1/ route."""
     tenant: str = request.state.tenant
     return tenant

@@ -128,7 +128,7 @@ def _require_redis(settings: Settings) -> None:
 
 
 def run_api(settings: Settings) -> None:
-    from api.auth import AuthConfigError
+    from api.auth.keys import AuthConfigError
     from api.server import run
 
     _require_redis(settings)
@@ -207,7 +207,7 @@ def run_up(args: argparse.Namespace) -> int:
 def _auth_env(settings: Settings, host: str) -> dict[str, str]:
     """What the replicas need to know about authentication; exits if keys are required and
     none is set."""
-    from api.auth import APIKeys, AuthConfigError
+    from api.auth.keys import APIKeys, AuthConfigError
 
     try:
         keys = APIKeys.load(settings.api_keys, settings.api_keys_file)

@@ -51,7 +51,7 @@ class GenerateRequest(BaseModel):
     created: float
     queue_deadline: float  # unix time after which, if no worker took it, it ends untouched
     deadline: float  # unix time after which the request ends with an error entry
-    tenant: str = ""  # the caller's tenant (see api.auth): only it may cancel or resume
+    tenant: str = ""  # the caller's tenant (see api.auth.keys): only it may cancel or resume
     trace_id: str = ""
 
     def to_fields(self) -> dict[str, str]:

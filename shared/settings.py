@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     # API replica.
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
-    # API keys (see api/auth.py): comma-separated `tenant:key` or bare keys, and/or a file of
+    # API keys (see api/auth/keys.py): comma-separated `tenant:key` or bare keys, and/or a file of
     # them, one a line. A replica without keys refuses to start unless `no_auth` is set.
     api_keys: str = ""
     api_keys_file: Path | None = None

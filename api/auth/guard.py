@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import APIKeys
+from api.auth.keys import APIKeys
 from api.errors import error_body
 
 GUARDED = "/v1/"
