@@ -102,7 +102,9 @@ def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -
            "REDSERVE_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:6]}",
            "REDSERVE_SYNTHETIC_STEP_MS": str(args.step_ms),
            "REDSERVE_MAX_RUNNING": str(args.max_running),
-           "REDSERVE_MAX_QUEUED_REQUESTS": "100000"}
+           "REDSERVE_MAX_QUEUED_REQUESTS": "100000",
+           # Replicas on loopback, for this benchmark's load generator only.
+           "REDSERVE_NO_AUTH": "true", "REDSERVE_API_KEYS": ""}
     me = [sys.executable, "-m", "ops.cli"]
     model = ["--model", str(info.path), "--served-model-name", DEFAULT_MODEL]
     ports = [free_port() for _ in range(replicas)]
