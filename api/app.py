@@ -62,7 +62,8 @@ def create_app(settings: Settings) -> FastAPI:
         reader = ResultReader(clients, keys, replica, settings.per_request_buffer,
                               settings.slow_client_timeout_s, on_slow_client)
         admission = Admission(clients.commands, QueueLimits(
-            settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s))
+            settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
+            settings.max_queued_per_tenant))
         ctx = AppContext(settings, keys, info, codec, clients, reader, admission, metrics, replica,
                          live)
         metrics.watch(

@@ -49,6 +49,9 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Codes for the errors Starlette raises itself (unknown path, wrong method, unreadable body).
+_HTTP_CODES = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed"}
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -104,7 +107,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
         return json_response(
-            error_body(str(exc.detail), kind), status_code=exc.status_code,
+            error_body(str(exc.detail), kind, None, code), status_code=exc.status_code,
             headers=dict(exc.headers) if exc.headers else None,
         )

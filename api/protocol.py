@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_CHOICES = 128  # prompts x n in one request: each is a queued request of its own
@@ -26,10 +26,21 @@ INT64 = 2**63
 
 
 class _Strict(BaseModel):
-    # NaN and Infinity (which Python's JSON parser accepts) are refused like any bad number.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # NaN and Infinity (which Python's JSON parser accepts) are refused like any bad number,
+    # and so are values of the wrong JSON type ("4" or true for an integer, 4.0 for a token id).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
+def _valid_unicode(text: str) -> str:
+    # JSON's \ud800-style escapes can carry lone surrogates, which no tokenizer accepts.
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone surrogate (not valid Unicode)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -38,12 +49,12 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
     name: Name | None = None
 
     def text(self) -> str:
@@ -134,7 +145,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | TokenIds
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False
     suffix: str | None = None

@@ -17,6 +17,7 @@ from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
 from api.resume import StreamView, last_event_id
 from api.serving import generate, resume
+from shared.keys import is_request_id
 from shared.messages import RequestState
 
 router = APIRouter()
@@ -131,6 +132,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     _check_model(ctx, body.model)
+    _check_size(ctx, [m.text() for m in body.messages], "messages")
     prompt_ids = await ctx.codec.encode_chat(body.messages)
     return await generate(ctx, request, body, [prompt_ids], "chat", _tenant(request))
 
@@ -140,6 +142,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     _check_model(ctx, body.model)
     vocab = len(ctx.codec.tokenizer)
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            _check_size(ctx, [prompt], "prompt")
     prompts: list[list[int]] = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -158,11 +163,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> dict[bytes, bytes]:
     """The request's hash, if the caller's tenant owns it; another tenant's request looks
     exactly like a missing one."""
-    missing = APIError(404, f"no request {request_id!r}", param="request_id", code="not_found")
-    try:
-        state_key = ctx.keys.state(request_id)
-    except ValueError:
-        raise missing from None
+    missing = APIError(404, f"no request {request_id[:64]!r}", param="request_id",
+                       code="not_found")
+    if not is_request_id(request_id):
+        raise missing
+    state_key = ctx.keys.state(request_id)
     try:
         state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
     except aioredis.RedisError as e:
@@ -176,6 +181,15 @@ def _state_unavailable(e: Exception) -> APIError:
     log.warning("request state unavailable: %s", e)
     return APIError(503, "request state is unavailable; retry shortly", type="server_error",
                     code="redis_unavailable", headers={"Retry-After": "1"})
+
+
+def _check_size(ctx: AppContext, texts: list[str], param: str) -> None:
+    limit = ctx.model.max_model_len
+    size = ctx.codec.surely_too_long(texts, limit)
+    if size is not None:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the "
+                       f"{param} text ({size} bytes) is far longer than that.", param=param,
+                       code="context_length_exceeded")
 
 
 def _check_model(ctx: AppContext, model: str) -> None:

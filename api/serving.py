@@ -4,6 +4,7 @@ prompt), merged into one SSE stream or one JSON object."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,8 @@ from api.responses import Kind, ResponseFormat, json_response, usage
 from api.resume import Replay, StreamView
 from shared.keys import new_request_id
 from shared.messages import Error, Finish, GenerateRequest, SamplingParams, Tokens
+
+_TRACE_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 
 # Worker error codes that are the client's fault or a capacity problem, not a server bug.
 _ERROR_STATUS = {
@@ -55,6 +58,12 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         logit_bias=tuple({int(k): v for k, v in (body.logit_bias or {}).items()}.items()),
         logprobs=body.top_logprobs_count(),
     )
+
+
+def _trace_id(header: str) -> str:
+    """A caller's trace id travels with its request only if it looks like one (it is copied
+    into every choice's queue entry)."""
+    return header if _TRACE_ID.match(header) else ""
 
 
 def fit_context(ctx: AppContext, prompt_tokens: int, requested: int | None) -> int:
@@ -108,7 +117,7 @@ async def generate(
                 queue_deadline=now + ctx.settings.queue_timeout_s,
                 deadline=now + ctx.settings.request_timeout_s,
                 tenant=tenant,
-                trace_id=request.headers.get("x-trace-id", ""),
+                trace_id=_trace_id(request.headers.get("x-trace-id", "")),
             ))
     stops = body.stop_strings()
     prompt_tokens = sum(len(p) for p in prompts)

@@ -15,6 +15,20 @@ from api.protocol import ChatMessage
 class TextCodec:
     def __init__(self, path: str) -> None:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
+        # The most UTF-8 bytes one token can stand for: a byte-level BPE token's string has a
+        # character per byte; other tokenizers get a generous margin (normalizers may fold
+        # several characters into one). Text longer than this times the context cannot fit,
+        # and is refused without spending the tokenizer's time on it.
+        longest = max(len(piece) for piece in self.tokenizer.get_vocab())
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        byte_level = (backend is not None and backend.normalizer is None
+                      and type(backend.pre_tokenizer).__name__ == "ByteLevel")
+        self.max_token_bytes = longest if byte_level else 16 * longest
+
+    def surely_too_long(self, texts: Sequence[str], max_tokens: int) -> int | None:
+        """The texts' size in bytes if they cannot fit in `max_tokens` tokens, else None."""
+        size = sum(len(t.encode()) for t in texts)
+        return size if size > max_tokens * self.max_token_bytes else None
 
     async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         convo = [{"role": m.role, "content": m.text()} for m in messages]

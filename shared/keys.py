@@ -18,10 +18,13 @@ request's keys from its id alone.
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 
 WORKER_GROUP = "workers"
+# `<replica>-<random>`, and `-<i>` for choice i > 0 of a reply (see `new_request_id`).
+_REQUEST_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{24}(-[0-9]{1,4})?$")
 
 
 def new_replica_tag() -> str:
@@ -31,6 +34,12 @@ def new_replica_tag() -> str:
 def new_request_id(replica: str) -> str:
     # 96 random bits: globally unique across replicas and restarts without coordination.
     return f"{replica}-{secrets.token_hex(12)}"
+
+
+def is_request_id(text: str) -> bool:
+    """Whether `text` has the shape of an id this system hands out (so that an id a client
+    sends can never name another kind of key, such as `<id>:out`)."""
+    return _REQUEST_ID.match(text) is not None
 
 
 def replica_of(request_id: str) -> str:

@@ -59,8 +59,9 @@ class GenerateRequest(BaseModel):
 
     @property
     def queue_member(self) -> str:
-        """Its member in the model's queued set: the id and the prompt size it reserves."""
-        return f"{self.id}:{len(self.prompt_ids)}"
+        """Its member in the model's queued set: the id, the tenant whose share it takes (a
+        tenant name has no colon) and the prompt size it reserves."""
+        return f"{self.id}:{self.tenant}:{len(self.prompt_ids)}"
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> GenerateRequest:

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     queue_timeout_s: float = Field(default=60.0, gt=0)
     # The bounded queue, per model: past either bound new requests get 429.
     max_queued_requests: int = Field(default=256, ge=1)
+    # Of those, the most one tenant (API key owner) may hold at once.
+    max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
     # Entries kept in the request stream (approximate trim): far above any sane backlog.
     request_stream_maxlen: int = Field(default=100_000, ge=100)

@@ -6,14 +6,16 @@ exist."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import orjson
 import pytest
+import redis
 
-from tests.stack import Stack
+from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
 ALICE_1 = "sk-alice-first-key"
@@ -101,3 +103,50 @@ def test_a_request_belongs_to_its_tenant_not_to_its_key(keyed: Stack) -> None:
     assert again.json() == {"id": request_id, "object": "request", "state": "aborted",
                             "cancelled": False}
     assert httpx.delete(f"{url}/v1/requests/nonsense", headers=_auth(ALICE_1)).status_code == 404
+    # An id that names another kind of key is no request either, for anyone.
+    for key in (ALICE_1, MALLORY):
+        for suffix in (":out", ":abort", "-1"):
+            other = httpx.delete(f"{url}/v1/requests/{request_id}{suffix}", headers=_auth(key))
+            assert other.status_code == 404, other.text
+
+
+def test_tenants_share_no_prefix_cache(keyed: Stack) -> None:
+    # Were pages shared, Mallory could learn whether Alice's prompts start with a guess from
+    # `cached_tokens`.
+    body = {"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 1}
+
+    def cached(key: str) -> int:
+        reply = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=key, max_retries=0
+                              ).completions.create(**body)  # type: ignore[call-overload]
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return int(reply.usage.prompt_tokens_details.cached_tokens or 0)
+
+    assert cached(ALICE_1) == 0
+    assert cached(MALLORY) == 0 and cached(BOB) == 0
+    assert cached(ALICE_2) > 0  # Alice's own pages serve all of Alice's keys
+
+
+def test_one_tenant_cannot_fill_the_queue_for_everyone(redis_url: str, tiny_model: Path) -> None:
+    # No worker: requests stay queued until their queue deadline.
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0, env={
+        "REDSERVE_API_KEYS": f"alice:{ALICE_1},mallory:{MALLORY}",
+        "REDSERVE_MAX_QUEUED_PER_TENANT": "2", "REDSERVE_QUEUE_TIMEOUT_S": "3",
+    }).start()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                                   headers=_auth(key), timeout=30)
+                       for key in (MALLORY, MALLORY, ALICE_1)]
+            assert eventually(lambda: len(redis.Redis.from_url(redis_url).zrange(
+                f"{stack.prefix}:queued:{MODEL}", 0, -1)) == 3)
+            third = httpx.post(f"{stack.base_url}/v1/completions", json=body,
+                               headers=_auth(MALLORY), timeout=30)
+            assert third.status_code == 429, third.text
+            assert "tenant" in third.json()["error"]["message"]
+            # Alice's place is hers: she still gets in while Mallory is at her share.
+            fourth = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                                 headers=_auth(ALICE_1), timeout=30)
+            assert [f.result().status_code for f in [*waiting, fourth]] == [503] * 4
+    finally:
+        stack.stop()

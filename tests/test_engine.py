@@ -23,7 +23,7 @@ from shared.models import ModelInfo
 from worker.engine import AdmissionError, Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
-from worker.pages import ROOT_KEY, PageManager
+from worker.pages import PageManager
 
 
 def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> GenerateRequest:
@@ -273,20 +273,22 @@ def test_a_row_whose_sampling_fails_ends_alone() -> None:
     _assert_pages_back(engine)
 
 
-def test_page_keys_are_keyed_digests_of_the_whole_chain() -> None:
+def test_page_keys_are_keyed_digests_of_the_whole_chain_per_tenant() -> None:
     a, b = PageManager(8, 2), PageManager(8, 2)
+    alice, mallory = a.root("alice"), a.root("mallory")
     # Keyed: another worker (another secret) gives the same tokens another key, so keys cannot
     # be predicted, nor collisions searched for, from outside.
-    assert a.chain(ROOT_KEY, (1, 2)) != b.chain(ROOT_KEY, (1, 2))
+    assert a.chain(alice, (1, 2)) != b.chain(b.root("alice"), (1, 2))
     # Chained: the same page after another prefix is another page.
-    assert (a.chain(a.chain(ROOT_KEY, (1, 2)), (3, 4))
-            != a.chain(a.chain(ROOT_KEY, (9, 9)), (3, 4)))
+    assert a.chain(a.chain(alice, (1, 2)), (3, 4)) != a.chain(a.chain(alice, (9, 9)), (3, 4))
     pages = a.allocate(3)
     assert pages is not None
     keys: list[bytes] = []
-    a.publish([1, 2, 3, 4, 5], pages, keys, 5)
+    a.publish([1, 2, 3, 4, 5], pages, keys, 5, alice)
     assert len(keys) == 2
     a.release(pages)
-    assert a.match([9, 9, 3, 4, 5]) == ([], [])
-    reused, reused_keys = a.match([1, 2, 3, 4, 6])
+    assert a.match([9, 9, 3, 4, 5], alice) == ([], [])
+    # Another tenant's identical prompt finds nothing: no one learns what others ask.
+    assert a.match([1, 2, 3, 4, 6], mallory) == ([], [])
+    reused, reused_keys = a.match([1, 2, 3, 4, 6], alice)
     assert reused == pages[:2] and reused_keys == keys

@@ -98,6 +98,17 @@ REFUSED: list[tuple[str, Any, int, str | None]] = [
     (TEXT, DEEP, 400, None),
     (TEXT, b'{"model": "tiny-llama", "prompt": "\xff\xfe"}', 400, None),
     (TEXT, b"not json", 400, None),
+    # Lone surrogates (valid JSON escapes, not valid Unicode) never reach the tokenizer.
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud800x"}]}',
+     400, "messages[0].content"),
+    (TEXT, b'{"model": "tiny-llama", "prompt": ["ok", "\\udfff"]}', 400, "prompt[1]"),
+    # Values of the wrong JSON type are not coerced.
+    (TEXT, text(max_tokens="4"), 400, "max_tokens"),
+    (TEXT, text(max_tokens=True), 400, "max_tokens"),
+    (TEXT, text(prompt=[1.0, 2.0]), 400, None),
+    (CHAT, chat(logit_bias={"1": "5"}), 400, "logit_bias.1"),
+    # Text that cannot fit in the context is refused before it is tokenized.
+    (TEXT, text(prompt="a" * (1024**2 + 1)), 400, "prompt"),
     (TEXT, b"", 400, None),
 ]
 
@@ -256,6 +267,22 @@ def test_a_body_that_never_finishes_gets_408_and_holds_nothing_up(scripted: Stac
         assert httpx.get(f"{scripted.base_url}/v1/models", timeout=2).status_code == 200
         reply = conn.recv(4096).decode()
     assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply
+    assert "connection: close" in reply.lower()  # the rest of that body is never read
+
+
+def test_oversized_headers_get_431_and_trace_ids_are_bounded(
+    scripted: Stack, sync_redis: Any
+) -> None:
+    huge = httpx.get(f"{scripted.base_url}/health", headers={"X-Junk": "j" * 70_000})
+    assert huge.status_code == 431 and huge.json()["error"]["code"] == "headers_too_large"
+    keys = Keys(scripted.prefix)
+    sync_redis.delete(keys.requests)
+    for trace in ("t" * 10_000, "ok-trace.1"):
+        with pytest.raises(httpx.ReadTimeout):  # no worker: it only waits in the queue
+            httpx.post(f"{scripted.base_url}{TEXT}", json=text(), timeout=0.5,
+                       headers={"X-Trace-Id": trace})
+    # A trace id travels with each choice's queue entry only when it looks like one.
+    assert [r.trace_id for r in queued_requests(sync_redis, keys, 2)] == ["", "ok-trace.1"]
 
 
 class _FailsOnce(ResultReader):

@@ -55,6 +55,7 @@ class Sequence:
     capacity: int  # prompt + completion tokens this request may hold
     generator: torch.Generator | None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    cache_root: bytes = b""  # where its prefix-cache chain starts (its tenant's root)
     pages: list[int] = field(default_factory=list)  # the page table
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     num_computed: int = 0  # tokens whose KV is in its pages
@@ -148,6 +149,7 @@ class Engine:
                 capacity=capacity,
                 generator=make_generator(params, self.runner.device),
                 stop_ids=frozenset(stop),
+                cache_root=self.pages.root(request.tenant),
             )
         )
 
@@ -199,7 +201,8 @@ class Engine:
         sampled: list[Sequence] = []
         for (seq, n), chunk in zip(batch, chunks, strict=True):
             seq.num_computed += n
-            self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed)
+            self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed,
+                               seq.cache_root)
             if chunk.sample:
                 sampled.append(seq)
         rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
@@ -243,7 +246,7 @@ class Engine:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             if not seq.pages:
-                seq.pages, seq.page_keys = self.pages.match(seq.tokens)
+                seq.pages, seq.page_keys = self.pages.match(seq.tokens, seq.cache_root)
                 seq.num_computed = len(seq.pages) * self.pages.page_size
                 if not seq.admitted:
                     seq.num_cached = min(seq.num_computed, seq.num_prompt)

@@ -4,10 +4,13 @@ A full page is identified by its tokens and, through the chain, every token befo
 is a keyed BLAKE2b digest of (the previous page's key, its tokens), under a secret drawn when the
 manager is made. A client cannot find two prompts whose chains collide (not even by searching
 offline: it does not know the secret), so no request can reuse, or poison, KV computed for
-another's different prefix; the page's own tokens are still compared on a match. Once computed,
-a full page is published under its key, so a later request whose prompt starts with the same
-tokens takes the page instead of recomputing it. Published pages nobody references stay cached
-until the free list runs dry; then the least recently released one is evicted and reused.
+another's different prefix; the page's own tokens are still compared on a match. Each chain
+starts from its tenant's root key, so tenants never share pages: otherwise a tenant could learn
+whether another's prompt starts with a guess from how many of its tokens came from the cache.
+Once computed, a full page is published under its key, so a later request whose prompt starts
+with the same tokens takes the page instead of recomputing it. Published pages nobody
+references stay cached until the free list runs dry; then the least recently released one is
+evicted and reused.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import secrets
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-
-ROOT_KEY = b""
 
 
 class PageManager:
@@ -51,13 +52,18 @@ class PageManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def root(self, tenant: str) -> bytes:
+        """Where the chains of `tenant`'s requests start."""
+        return hashlib.blake2b(tenant.encode(), digest_size=16, key=self._secret,
+                               person=b"tenant").digest()
+
     def chain(self, key: bytes, chunk: tuple[int, ...]) -> bytes:
         """The key of a page holding `chunk` after the page whose key is `key`."""
         digest = hashlib.blake2b(key, digest_size=16, key=self._secret)
         digest.update(array("q", chunk).tobytes())
         return digest.digest()
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def match(self, tokens: Sequence[int], root: bytes) -> tuple[list[int], list[bytes]]:
         """The cached pages that start `tokens`, referenced for the caller, and their keys.
 
         At least one token is always left over: the model must run on the last prompt token
@@ -67,7 +73,7 @@ class PageManager:
         keys: list[bytes] = []
         if not self.prefix_caching:
             return pages, keys
-        key = ROOT_KEY
+        key = root
         for i in range((len(tokens) - 1) // self.page_size):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             key = self.chain(key, chunk)
@@ -105,12 +111,12 @@ class PageManager:
                     self._free.append(page)
 
     def publish(self, tokens: Sequence[int], pages: Sequence[int], keys: list[bytes],
-                num_computed: int) -> None:
+                num_computed: int, root: bytes) -> None:
         """Publish the request's newly completed full pages; `keys` (the request's chain so
         far) is extended in place."""
         if not self.prefix_caching:
             return
-        key = keys[-1] if keys else ROOT_KEY
+        key = keys[-1] if keys else root
         for i in range(len(keys), num_computed // self.page_size):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             key = self.chain(key, chunk)

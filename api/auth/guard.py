@@ -1,5 +1,6 @@
 """The door of every `/v1/` route, before any of the body is read: the caller's API key
-(401 without a valid one) and the body's size (413 past `max_body_bytes`).
+(401 without a valid one) and the body's size (413 past `max_body_bytes`). Headers past
+`MAX_HEADER_BYTES` are refused on every route (431) before anything looks at them.
 
 A pure ASGI middleware rather than a FastAPI dependency, because FastAPI reads and parses the
 whole body before it resolves dependencies: a stranger, or an oversized body, would cost the
@@ -22,6 +23,9 @@ from api.auth.keys import APIKeys
 from api.errors import error_body
 
 GUARDED = "/v1/"
+MAX_HEADER_BYTES = 64 * 1024
+# The body was not read to its end: the connection cannot carry another request.
+_CLOSE = [(b"connection", b"close")]
 
 
 class Guard:
@@ -33,7 +37,15 @@ class Guard:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            await _reply(send, 431, error_body(
+                f"the request headers are larger than the limit of {MAX_HEADER_BYTES} bytes",
+                "invalid_request_error", None, "headers_too_large"), _CLOSE)
+            return
+        if not scope["path"].startswith(GUARDED):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -44,7 +56,7 @@ class Guard:
                 "Incorrect API key provided." if given else
                 "Missing API key: send it as 'Authorization: Bearer <key>'.",
                 "invalid_request_error", None, "invalid_api_key"),
-                [(b"www-authenticate", b'Bearer realm="redserve"')])
+                [(b"www-authenticate", b'Bearer realm="redserve"'), *_CLOSE])
             return
         scope.setdefault("state", {})["tenant"] = tenant
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -60,7 +72,7 @@ class Guard:
         except TimeoutError:
             await _reply(send, 408, error_body(
                 f"the request body did not arrive within {self.body_timeout_s:g} s",
-                "invalid_request_error", None, "request_timeout"))
+                "invalid_request_error", None, "request_timeout"), _CLOSE)
             return
         if body is None:
             return  # gone before it finished sending: nothing to answer
@@ -84,7 +96,7 @@ class Guard:
     async def _too_large(self, send: Send) -> None:
         await _reply(send, 413, error_body(
             f"the request body is larger than the limit of {self.max_body_bytes} bytes",
-            "invalid_request_error", None, "request_too_large"))
+            "invalid_request_error", None, "request_too_large"), _CLOSE)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
