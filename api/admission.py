@@ -66,6 +66,6 @@ class Admission:
         if result == 0:
             return f"the queue is full ({limits.max_requests} requests waiting)"
         if result == -2:
-            return (f"this API key's tenant has {limits.max_per_tenant} requests waiting "
-                    "already, its share of the queue")
+            return (f"this API key's tenant holds its whole share of the queue "
+                    f"({limits.max_per_tenant} waiting requests)")
         return f"the queue is full ({limits.max_tokens} prompt tokens waiting)"

@@ -30,6 +30,15 @@ class _Strict(BaseModel):
     # and so are values of the wrong JSON type ("4" or true for an integer, 4.0 for a token id).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's API takes `null` for "use the default" on every optional field, and
+        # clients send it so.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 def _valid_unicode(text: str) -> str:
     # JSON's \ud800-style escapes can carry lone surrogates, which no tokenizer accepts.

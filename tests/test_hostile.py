@@ -57,6 +57,9 @@ SAFE = [
                 temperature=1e-4, logprobs=True)),
     (CHAT, chat(top_p=1e-300, min_p=1.0, top_k=10**12, seed=-(2**63))),
     (TEXT, text(repetition_penalty=1e-300, logprobs=20, temperature=0, echo=False)),
+    # `null` is "the default" for every optional field, as in OpenAI's API.
+    (CHAT, chat(temperature=None, top_p=None, n=None, stream=None, logprobs=None,
+                presence_penalty=None, max_tokens=None, stop=None)),
     (TEXT, text(temperature=1e-40, logprobs=5, n=4, seed=2**63 - 4)),
 ]
 
