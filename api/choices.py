@@ -63,7 +63,13 @@ class Choice:
     cached_tokens: int = 0
 
     def on_tokens(self, entry: Tokens) -> tuple[str, list[Any]]:
-        """Text delta and logprob items for a tokens entry."""
+        """Text delta and logprob items for a tokens entry. Tokens at positions already seen
+        are dropped: a publish that Redis applied but whose reply was lost is sent again by
+        the client's retry, and must not show twice."""
+        seen = self.tokens_seen - entry.index
+        if seen > 0:
+            entry = Tokens(entry.index + seen, entry.ids[seen:],
+                           entry.logprobs[seen:] if entry.logprobs is not None else None)
         self.tokens_seen += len(entry.ids)
         text = self.decoder.push(entry.ids)
         items = self._logprobs(entry)

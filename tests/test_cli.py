@@ -93,7 +93,8 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
         while True:
             assert up.poll() is None, up.stdout.read().decode() if up.stdout else ""
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if all(httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=1).status_code
+                       == 200 for i in range(replicas)):
                     break
             except httpx.HTTPError:
                 pass

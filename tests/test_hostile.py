@@ -290,6 +290,32 @@ def test_oversized_headers_get_431_and_trace_ids_are_bounded(
     assert [r.trace_id for r in queued_requests(sync_redis, keys, 2)] == ["", "ok-trace.1"]
 
 
+def test_a_token_entry_published_twice_shows_once(scripted: Stack, sync_redis: Any) -> None:
+    keys = Keys(scripted.prefix)
+    sync_redis.delete(keys.requests)
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        f"{scripted.base_url}{TEXT}", json=text(prompt=[5, 6]), timeout=30)))
+    thread.start()
+    [request] = queued_requests(sync_redis, keys, 1)
+    for entry in (Tokens(0, (31, 32)), Tokens(0, (31, 32)), Tokens(1, (32, 33)),
+                  Finish("length", 2, 3)):  # a retried publish repeats entries
+        sync_redis.xadd(keys.out(request.id), entry.to_fields())
+    thread.join(30)
+    reply = result["r"].json()
+    assert reply["choices"][0]["text"] == _decode([31, 32, 33]), reply
+    sync_redis.delete(keys.out(request.id), keys.state(request.id))
+
+
+def _decode(ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    from shared.models import resolve_model
+    from shared.settings import DEFAULT_MODEL, Settings
+    path = resolve_model(DEFAULT_MODEL, Settings().cache_dir).path
+    return str(AutoTokenizer.from_pretrained(str(path)).decode(ids))
+
+
 class _FailsOnce(ResultReader):
     """A reader whose routing fails once, as an unforeseen bug would."""
 
