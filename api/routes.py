@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any, cast
 
+import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -31,11 +32,12 @@ def _ctx(request: Request) -> AppContext:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """Liveness: the process answers, reaches Redis, and its result reader runs."""
+    """Liveness: the process answers, reaches Redis, and its result reader runs. Also lists the
+    model's live workers as they announce themselves (device, dtype, batch, KV pages)."""
     ctx = _ctx(request)
     reader = {"alive": ctx.reader.alive, "restarts": ctx.reader.restarts}
     try:
-        await ctx.clients.commands.ping()
+        workers = await _live_workers(ctx)
     except Exception as e:
         log.warning("health: Redis unreachable: %s", e)
         return json_response({"status": "unavailable", "redis": "unreachable",
@@ -43,7 +45,27 @@ async def health(request: Request) -> Response:
     if not ctx.reader.alive:
         return json_response({"status": "unavailable", "reader": reader}, status_code=503)
     return json_response({"status": "ok", "reader": reader,
-                          "auth": "on" if request.app.state.api_keys.enabled else "off"})
+                          "auth": "on" if request.app.state.api_keys.enabled else "off",
+                          "workers": workers})
+
+
+async def _live_workers(ctx: AppContext) -> dict[str, Any]:
+    """name -> status of each worker of the model whose heartbeat is current (bounded: a
+    model's workers are few, and each status is one small key)."""
+    found = await ctx.clients.commands.zrangebyscore(ctx.keys.workers(ctx.model.name),
+                                                     time.time(), "+inf")
+    names = [_text(n) for n in found]
+    if not names:
+        return {}
+    pipe = ctx.clients.commands.pipeline(transaction=False)
+    for name in names:
+        pipe.get(ctx.keys.worker(name))
+    bodies = await pipe.execute()
+    return {n: orjson.loads(b) for n, b in zip(names, bodies, strict=True) if b}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @router.get("/ready")

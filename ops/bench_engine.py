@@ -3,7 +3,9 @@
     python -m ops.bench_engine [--requests 64] [--max-tokens 128] [--only NAME]
 
 One workload (seeded): `--requests` prompts of 100-300 random tokens, `--max-tokens` output
-tokens each with EOS ignored, greedy, on the default model (SmolLM2-135M, fp32 on CPU). Each
+tokens each with EOS ignored, greedy, on the default model (SmolLM2-135M) at `--dtype` (fp32
+by default, the dtype these targets were set at; `python -m ops.bench_step` and
+`python -m ops.bench_serve` measure the bf16 engine against peers at their best dtype). Each
 system runs in its own process, so each peak RSS is its own:
 - redserve: the worker engine (`worker/engine.py`), every request added at once;
 - generate_batch: transformers' continuous batching (`attn_implementation="paged|sdpa"`);
@@ -45,17 +47,19 @@ def _peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB
 
 
-def _hf_model(**kw: Any) -> Any:
+def _hf_model(dtype: str, **kw: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
-    return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch.float32, **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=getattr(torch, dtype),
+                                                **kw).eval()
 
 
-def _engine(kv_bytes: int, max_running: int) -> Any:
+def _engine(kv_bytes: int, max_running: int, dtype: str) -> Any:
     from worker.service import build_engine
 
-    settings = Settings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu")
+    settings = Settings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
+                        dtype=dtype)  # type: ignore[arg-type]  # a --dtype choice
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
 
 
@@ -81,19 +85,20 @@ def measure(system: str, args: argparse.Namespace) -> dict[str, float]:
     n_out = args.max_tokens
     torch.manual_seed(0)
     if system == "redserve":
-        engine = _engine(args.kv_bytes, len(prompts))
+        engine = _engine(args.kv_bytes, len(prompts), args.dtype)
         _run_engine(engine, [prompts[0][:32]], 4)  # warm-up
         tokens, seconds, _ = _run_engine(engine, prompts, n_out)
         return {"tokens": tokens, "seconds": seconds, "rss": _peak_rss(),
                 "kv": engine.pool.nbytes / MIB,
-                "model": sum(t.numel() * t.element_size() for t in _weights(engine)) / MIB}
+                "model": engine.runner.weight_bytes() / MIB}
     if system == "redserve_single":
-        engine = _engine(args.kv_bytes, 1)
+        engine = _engine(args.kv_bytes, 1, args.dtype)
         _run_engine(engine, [prompts[0][:32]], 4)
         _, ttft, _ = _run_engine(engine, prompts[:1], 1)
         tokens, seconds, _ = _run_engine(engine, prompts[:1], n_out)
         return {"tokens": tokens - 1, "seconds": seconds - ttft, "rss": _peak_rss()}
-    model = _hf_model(attn_implementation="paged|sdpa" if system == "generate_batch" else "sdpa")
+    attention = "paged|sdpa" if system == "generate_batch" else "sdpa"
+    model = _hf_model(args.dtype, attn_implementation=attention)
     if system == "hf_single":
         ids = torch.tensor(prompts[:1])
         mask = torch.ones_like(ids)
@@ -131,20 +136,11 @@ def measure(system: str, args: argparse.Namespace) -> dict[str, float]:
             "rss": _peak_rss()}
 
 
-def _weights(engine: Any) -> list[torch.Tensor]:
-    r = engine.runner
-    tensors = {id(t): t for t in (r.embed, r.final_norm, r.lm_head) if t is not None}
-    for layer in r.layers:
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
-                tensors[id(t)] = t
-    return list(tensors.values())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--kv-bytes", type=int, default=1536 * MIB,
                     help="the engine's KV page pool (default 1.5 GiB)")
     ap.add_argument("--only", choices=SYSTEMS, help="measure one system, print JSON (internal)")
@@ -162,7 +158,7 @@ def main() -> None:
         with console.status(f"{system}: {args.requests} requests x {args.max_tokens} tokens"):
             cmd = [sys.executable, "-m", "ops.bench_engine", "--only", system,
                    "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-                   "--kv-bytes", str(args.kv_bytes)]
+                   "--kv-bytes", str(args.kv_bytes), "--dtype", args.dtype]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results[system] = json.loads(done.stdout.strip().splitlines()[-1])
         r = results[system]
@@ -177,8 +173,8 @@ def _report(console: Console, results: dict[str, dict[str, float]],
     def rate(name: str) -> float:
         return results[name]["tokens"] / results[name]["seconds"]
 
-    table = Table(title=f"{DEFAULT_MODEL} fp32 CPU: {args.requests} requests, prompts 100-300, "
-                        f"{args.max_tokens} output tokens each")
+    table = Table(title=f"{DEFAULT_MODEL} {args.dtype} CPU: {args.requests} requests, "
+                        f"prompts 100-300, {args.max_tokens} output tokens each")
     for col in ("system", "output tokens/s", "redserve ratio", "target", "peak RSS MiB"):
         table.add_column(col)
     if "redserve" in results:

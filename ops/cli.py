@@ -51,6 +51,14 @@ def _api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default:
 def _worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="torch device: auto (CUDA when present, else CPU), cpu, "
                    "cuda, cuda:N [env REDSERVE_DEVICE]")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="compute and KV-cache type: auto (bf16 on CUDA and on CPUs with native "
+                   "bf16, else fp32), bfloat16, float16, float32 [env REDSERVE_DTYPE]")
+    p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
+                   "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
+    p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "
+                   "as --threads; under `up`, one core fewer, left to the API and Redis) "
+                   "[env REDSERVE_DECODE_THREADS]")
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
     p.add_argument("--kv-cache-memory", type=float, help="KV page pool: bytes, or a fraction "
@@ -114,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         run_api(_settings(args, "host", "port", "model", "served_model_name", "api_keys_file",
                           "no_auth"))
     elif args.command == "worker":
-        run_worker(_settings(args, "model", "served_model_name", "device", "max_running",
-                             "kv_cache_memory", "page_size", "max_prefill_tokens",
-                             "worker_name", "metrics_port"))
+        run_worker(_settings(args, "model", "served_model_name", "device", "dtype", "threads",
+                             "decode_threads", "max_running", "kv_cache_memory", "page_size",
+                             "max_prefill_tokens", "worker_name", "metrics_port"))
     else:
         sys.exit(run_up(args))
 
@@ -140,11 +148,16 @@ def run_api(settings: Settings) -> None:
 
 
 def run_worker(settings: Settings) -> None:
+    from worker.checkpoint import UnsupportedCheckpoint
     from worker.service import serve
 
     _require_redis(settings)
     info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
-    asyncio.run(serve(settings, info))
+    try:
+        asyncio.run(serve(settings, info))
+    except UnsupportedCheckpoint as e:
+        console.print(f"[red]cannot serve {info.path}: {e}[/red]")
+        sys.exit(2)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -164,7 +177,14 @@ def run_up(args: argparse.Namespace) -> int:
         env["REDIS_URL"] = embedded.start()
         console.print(f"embedded Valkey at {env['REDIS_URL']}")
     passthrough = ["--model", str(info.path), "--served-model-name", info.name]
-    flags = (("device", "--device"), ("max_running", "--max-running"),
+    cores = len(os.sched_getaffinity(0))
+    if args.threads is None and "REDSERVE_THREADS" not in os.environ:
+        args.threads = max(1, cores // args.workers)
+    if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
+        args.decode_threads = max(1, (cores - 1) // args.workers)
+    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+             ("decode_threads", "--decode-threads"),
+             ("max_running", "--max-running"),
              ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
              ("max_prefill_tokens", "--max-prefill-tokens"))
     worker_flags = [f for name, flag in flags

@@ -7,6 +7,7 @@ and managed Redis offerings already use. Unset means "start an embedded server" 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -70,6 +71,14 @@ class Settings(BaseSettings):
     # Worker.
     worker_name: str | None = None
     device: str = "auto"
+    # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
+    # or AMX), fp32 elsewhere (see worker/dtype.py).
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # CPU threads of the worker's compute (see worker/threads.py): `threads` for big (prefill)
+    # steps, `decode_threads` for the others; 0: every core the worker may use. `redserve up`
+    # divides the cores among its workers and leaves one to the API and Redis in decode steps.
+    threads: int = Field(default=0, ge=0)
+    decode_threads: int = Field(default=0, ge=0)
     max_running: int = Field(default=32, ge=1)
     # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
     # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on

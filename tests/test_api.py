@@ -10,10 +10,12 @@ from pathlib import Path
 import httpx
 import openai
 import redis
+import torch
 from transformers import AutoTokenizer
 
 from shared.keys import Keys
 from tests.stack import Stack
+from worker.dtype import dtype_name, pick_dtype
 
 MODEL = "tiny-llama"
 
@@ -26,8 +28,12 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
     [model] = client.models.list().data
     assert model.id == MODEL
     assert model.model_extra and model.model_extra["max_model_len"] == 512
-    assert httpx.get(f"{tiny_stack.base_url}/health").json() == {
-        "status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off"}
+    health = httpx.get(f"{tiny_stack.base_url}/health").json()
+    [worker] = health.pop("workers").values()
+    assert health == {"status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off"}
+    # The worker chose its dtype as `auto` does on this machine, and says so.
+    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))
+    assert (worker["model"], worker["device"], worker["dtype"]) == (MODEL, "cpu", auto)
     assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {"status": "ok", "workers": 1}
 
 

@@ -292,3 +292,19 @@ def test_page_keys_are_keyed_digests_of_the_whole_chain_per_tenant() -> None:
     assert a.match([1, 2, 3, 4, 6], mallory) == ([], [])
     reused, reused_keys = a.match([1, 2, 3, 4, 6], alice)
     assert reused == pages[:2] and reused_keys == keys
+
+
+def test_prefix_cache_evicts_a_chain_from_its_leaf() -> None:
+    pages = PageManager(4, 2)
+    root = pages.root("t")
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    table = pages.allocate(3)
+    assert table is not None
+    keys: list[bytes] = []
+    pages.publish(tokens, table, keys, 6, root)
+    pages.release(table)  # all three cached, unreferenced
+    assert pages.allocate(2) is not None  # the free page, then one evicted: the leaf
+    found, _ = pages.match(tokens, root)
+    assert found == table[:2]  # the head and the middle page are still reachable
+    pages.release(found)
+    pages.check()

@@ -78,3 +78,44 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     good, bad, other = sample(logits, rows)
     assert isinstance(bad, SamplingError)
     assert isinstance(good, tuple) and isinstance(other, tuple)
+
+
+def test_top_p_keeps_the_nucleus_and_draws_follow_the_probabilities() -> None:
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.75 keeps the first two (0.5 < 0.75 <= 0.8).
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.75)
+    draws = [t for t, _ in sample(logits, [Row(p, None, (), 0)] * 4000, gen)]  # type: ignore[misc]
+    counts = torch.bincount(torch.tensor(draws), minlength=4).tolist()
+    assert counts[2] == counts[3] == 0
+    assert abs(counts[0] / 4000 - 0.5 / 0.8) < 0.03  # renormalised over the nucleus
+    # Without top_p every token is drawn about as often as its probability says.
+    p = SamplingParams(max_tokens=1, temperature=1.0)
+    draws = [t for t, _ in sample(logits, [Row(p, None, (), 0)] * 4000, gen)]  # type: ignore[misc]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+
+
+def test_a_mixed_batch_samples_each_row_under_its_own_parameters() -> None:
+    vocab = 5000
+    logits = torch.randn(6, vocab) * 3
+    logits[:, 7] = 50.0  # one token dominates every row
+    params = [SamplingParams(max_tokens=1, temperature=0.0),
+              SamplingParams(max_tokens=1, temperature=0.7, top_k=1),
+              SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5, seed=3),
+              SamplingParams(max_tokens=1, temperature=1.0, min_p=0.9),
+              SamplingParams(max_tokens=1, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((9, 100.0),))]
+    rows = [Row(p, make_generator(p, torch.device("cpu")), (1, 2), 1) for p in params]
+    out = sample(logits, rows)
+    assert [o[0] for o in out] == [7, 7, 7, 7, 7, 9]  # type: ignore[index]
+    chosen, top = out[4][1]  # type: ignore[index,misc]
+    assert top[0][0] == 7 and len(top) == 2 and chosen == pytest.approx(top[0][1])
+    # A seeded row draws the same whatever its neighbours, batched or alone.
+    flat = torch.zeros(2, vocab)
+    seeded = SamplingParams(max_tokens=1, temperature=1.0, seed=11)
+    alone = sample(flat[:1], [Row(seeded, make_generator(seeded, torch.device("cpu")), (1,), 1)])
+    other = SamplingParams(max_tokens=1, temperature=1.0)
+    batched = sample(flat, [Row(other, None, (1,), 1),
+                            Row(seeded, make_generator(seeded, torch.device("cpu")), (1,), 1)])
+    assert alone[0] == batched[1]

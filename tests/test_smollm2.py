@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 import redis
@@ -19,7 +20,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smol_stack(redis_url: str, smollm2: ModelInfo) -> Iterator[Stack]:
-    stack = Stack(redis_url, smollm2.path, served_name=MODEL).start()
+    # fp32: the stack's replies must equal transformers' fp32 `generate` token for token
+    # (tests/test_dtype.py holds the bf16 engine to transformers at bf16).
+    stack = Stack(redis_url, smollm2.path, served_name=MODEL,
+                  env={"REDSERVE_DTYPE": "float32"}).start()
     yield stack
     stack.stop()
 
@@ -30,8 +34,10 @@ def client(smol_stack: Stack) -> openai.OpenAI:
 
 
 def test_reply_is_what_generate_says_streamed_or_not(
-    client: openai.OpenAI, smollm2: ModelInfo, sync_redis: redis.Redis
+    client: openai.OpenAI, smollm2: ModelInfo, sync_redis: redis.Redis, smol_stack: Stack
 ) -> None:
+    [worker] = httpx.get(f"{smol_stack.base_url}/health").json()["workers"].values()
+    assert worker["dtype"] == "float32"  # as asked with --dtype (REDSERVE_DTYPE)
     messages = [{"role": "user", "content": "What is KV Cache?"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
                                            max_tokens=48, temperature=0)

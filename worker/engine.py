@@ -28,6 +28,7 @@ from worker.kv_cache import KVPool, KVShape
 from worker.model_runner import Chunk
 from worker.pages import PageManager
 from worker.sampler import Row, SamplingError, make_generator, sample
+from worker.threads import ThreadPolicy
 
 
 class Runner(Protocol):
@@ -91,6 +92,7 @@ class EngineConfig:
     max_model_len: int
     page_size: int = 16
     prefix_caching: bool = True
+    threads: ThreadPolicy | None = None  # CPU threads per step (None: leave torch's setting)
 
 
 class Engine:
@@ -106,6 +108,9 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order: the last is the newest
         self.num_preempted = 0
+        # Draws for every unseeded sampled request (seeded ones carry their own).
+        self.generator = torch.Generator(device=runner.device)
+        self.generator.seed()
 
     @property
     def num_requests(self) -> int:
@@ -196,6 +201,8 @@ class Engine:
             end = seq.num_computed + n
             chunks.append(Chunk(seq.tokens[seq.num_computed : end], seq.num_computed, seq.pages,
                                 sample=end == len(seq.tokens)))
+        if self.config.threads is not None:
+            self.config.threads.apply(sum(len(c.tokens) for c in chunks))
         logits = self.runner.forward(chunks)
 
         sampled: list[Sequence] = []
@@ -208,7 +215,7 @@ class Engine:
         rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
         return [self._fail(seq, str(choice)) if isinstance(choice, SamplingError)
                 else self._append(seq, *choice)
-                for seq, choice in zip(sampled, sample(logits, rows), strict=True)]
+                for seq, choice in zip(sampled, sample(logits, rows, self.generator), strict=True)]
 
     def _schedule_decodes(self) -> list[tuple[Sequence, int]]:
         scheduled: list[tuple[Sequence, int]] = []

@@ -2,10 +2,11 @@
 
 transformers supplies config and weights; the forward pass is written here because serving
 wants a different shape of computation than `model.forward`: every request's new tokens packed
-into one sequence with no padding, q/k/v and gate/up each fused into one matmul, rotary tables
-computed once, weights stored transposed ([in, out]: a row-major GEMM reads them faster on
-CPU, about 10% a step and 30% for the vocabulary projection of one token), and attention
-reading each request's KV from its pages in the shared pool.
+into one sequence with no padding, q/k/v and gate/up each fused into one matmul, weights laid
+out once for the kernel that runs them (`worker/linear.py`), rotary tables computed once, and
+attention reading each request's KV from its pages in the shared pool. Every op rounds as the
+checkpoint's own modules round in the compute dtype (RMSNorm in fp32, then cast, then scaled),
+so a request alone reproduces transformers' tokens at bf16 too, not only at fp32.
 
 Attention, per layer:
 - a prefill chunk from position 0 attends over its own fresh K/V (causal SDPA, nothing read
@@ -16,6 +17,8 @@ Attention, per layer:
   DECODE_GROUP at a time, so padding to the group's longest wastes little): their pages are
   gathered into a [group, pages x page_size] view with a mask; the query heads that share a KV
   head are laid out as that head's query rows, so grouped-query attention needs no K/V repeat.
+  A group of one takes its exact keys, unmasked, a row per query head: transformers' layout,
+  whose rounding in bf16 the grouped layout does not reproduce bit for bit.
 On CUDA the same calls reach torch's fused SDPA kernels.
 """
 
@@ -29,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from worker.checkpoint import check_config
 from worker.kv_cache import KVPool, KVShape
+from worker.linear import Linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Decode requests per attention call. Sorting by length and splitting the batch into groups
 # cut the padded work by about a third on a batch of 64 mixed-length requests.
 DECODE_GROUP = 16
@@ -50,15 +54,13 @@ class Chunk:
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class _Decode:
 
     rows: torch.Tensor  # their rows in the packed batch
     pages: torch.Tensor  # their page tables, [group x max pages] flattened
-    mask: torch.Tensor  # [group, 1, 1, max pages * page_size], True where attended
+    mask: torch.Tensor | None  # [group, 1, 1, max pages * page_size], True where attended
+    length: int = 0  # a group of one: its exact length, and no mask
 
 
 class ModelRunner:
@@ -84,14 +87,7 @@ class ModelRunner:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
         (the model is unusable afterwards)."""
         config = model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {config.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            if config.sliding_window < config.max_position_embeddings:
-                raise ValueError("sliding-window attention is not supported")
+        check_config(config)
         inner = model.model
         attn = inner.layers[0].self_attn
         self.head_dim: int = attn.head_dim
@@ -109,10 +105,8 @@ class ModelRunner:
         )
         with torch.no_grad():
             self.final_norm = _own(inner.norm.weight)
-            self.lm_head = _t(model.lm_head.weight)  # [hidden, vocab]
-            tied = model.lm_head.weight is inner.embed_tokens.weight
-            # Tied: look tokens up in the transposed copy rather than keep both.
-            self.embed: torch.Tensor | None = None if tied else _own(inner.embed_tokens.weight)
+            self.lm_head = Linear(model.lm_head.weight)
+            self.embed = _own(inner.embed_tokens.weight)  # its own copy even when tied
             self.layers = []
             for i, layer in enumerate(inner.layers):
                 self.layers.append(_fuse(layer))
@@ -127,6 +121,20 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.kv_shape.device
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer, in the order a forward pass runs them."""
+        per_layer = [lin for layer in self.layers
+                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [*per_layer, self.lm_head]
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.final_norm, self.cos, self.sin]
+        for layer in self.layers:
+            tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+                        if t is not None]
+        tensors += [t for lin in self.linears() for t in lin.tensors()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def attach(self, pool: KVPool) -> None:
         self.pool = pool
@@ -164,17 +172,16 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)
         cos, sin = self.cos[pos_t], self.sin[pos_t]
-        hidden = (F.embedding(ids_t, self.embed) if self.embed is not None
-                  else self.lm_head.index_select(1, ids_t).t())
+        hidden = F.embedding(ids_t, self.embed)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.eps)
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
             hidden = hidden + self._attention(i, layer, x, cos, sin, slots_t, prefills, decode)
-            x = F.rms_norm(hidden, (hidden.shape[-1],), layer.post_norm, self.eps)
-            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + (F.silu(gate) * up) @ layer.down
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         last = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
-        last = F.rms_norm(last, (last.shape[-1],), self.final_norm, self.eps)
-        return (last @ self.lm_head).float()
+        last = _rms_norm(last, self.final_norm, self.eps)
+        return self.lm_head(last).float()
 
     def _prefill(self, chunk: Chunk, lo: int, device: torch.device) -> _Prefill:
         n = len(chunk.tokens)
@@ -199,10 +206,14 @@ class ModelRunner:
             for i in members:
                 pages = rows[i].pages[: -(-(rows[i].start + 1) // page_size)]
                 table += [*pages, *[0] * (width - len(pages))]
+            member_rows = torch.tensor([lo + i for i in members], device=device)
+            if len(members) == 1:
+                groups.append(_Decode(member_rows, torch.tensor(table, device=device), None,
+                                      length=rows[members[0]].start + 1))
+                continue
             lengths = torch.tensor([rows[i].start + 1 for i in members])
             mask = torch.arange(width * page_size)[None, :] < lengths[:, None]
-            groups.append(_Decode(torch.tensor([lo + i for i in members], device=device),
-                                  torch.tensor(table, device=device),
+            groups.append(_Decode(member_rows, torch.tensor(table, device=device),
                                   mask[:, None, None, :].to(device)))
         return groups
 
@@ -220,12 +231,12 @@ class ModelRunner:
         assert self.pool is not None
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
         q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
         if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-            q = F.rms_norm(q, (hd,), layer.q_norm, self.eps)
-            k = F.rms_norm(k, (hd,), layer.k_norm, self.eps)
+            q = _rms_norm(q, layer.q_norm, self.eps)
+            k = _rms_norm(k, layer.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
 
         k_pool, v_pool = self.pool.k[i], self.pool.v[i]  # [pages, page_size, kv heads, dim]
@@ -247,15 +258,25 @@ class ModelRunner:
             )[0].transpose(0, 1)
         for d in decode:
             b = d.rows.numel()
-            # [b, kv heads, queries per kv head, dim]: grouped heads become query rows.
-            qd = q.index_select(0, d.rows).view(b, nkv, nh // nkv, hd)
             shape = (b, -1, nkv, hd)
-            kd = self._gather(0, k_pool, d.pages).view(shape).transpose(1, 2)
-            vd = self._gather(1, v_pool, d.pages).view(shape).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask,
-                                                      scale=self.scaling)
+            kd = self._gather(0, k_pool, d.pages).view(shape)
+            vd = self._gather(1, v_pool, d.pages).view(shape)
+            if d.length:
+                # One request: its exact keys and a row per query head, as transformers lays
+                # it out, so that a request alone decodes bit for bit as `generate` does.
+                qd = q.index_select(0, d.rows).view(1, nh, 1, hd)
+                kd, vd = kd[:, : d.length], vd[:, : d.length]
+                attended = F.scaled_dot_product_attention(
+                    qd, kd.transpose(1, 2), vd.transpose(1, 2), scale=self.scaling,
+                    enable_gqa=True)
+            else:
+                # [b, kv heads, queries per kv head, dim]: grouped heads become query rows.
+                qd = q.index_select(0, d.rows).view(b, nkv, nh // nkv, hd)
+                attended = F.scaled_dot_product_attention(
+                    qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=d.mask,
+                    scale=self.scaling)
             out.index_copy_(0, d.rows, attended.reshape(b, nh, hd))
-        return _linear(out.view(t, nh * hd), layer.o, layer.o_bias)
+        return layer.o(out.view(t, nh * hd))
 
     def _gather(self, which: int, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Copy `pages` of one layer's pool into a reused buffer. index_select copies whole
@@ -274,25 +295,17 @@ def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely 
     biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
-    if mlp.gate_proj.bias is not None:
-        raise ValueError("MLP biases are not supported")
     return _Layer(
         input_norm=_own(layer.input_layernorm.weight),
-        qkv=_t(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-        qkv_bias=torch.cat(biases) if biases[0] is not None else None,
+        qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                   torch.cat(biases) if biases[0] is not None else None),
         q_norm=_own(q_norm.weight) if q_norm is not None else None,
         k_norm=_own(k_norm.weight) if k_norm is not None else None,
-        o=_t(attn.o_proj.weight),
-        o_bias=_own(attn.o_proj.bias) if attn.o_proj.bias is not None else None,
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias),
         post_norm=_own(layer.post_attention_layernorm.weight),
-        gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        down=_t(mlp.down_proj.weight),
+        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        down=Linear(mlp.down_proj.weight),
     )
-
-
-def _t(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's [out, in] weight as a contiguous [in, out] matrix."""
-    return weight.t().contiguous()
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -301,8 +314,13 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x @ weight if bias is None else torch.addmm(bias, x, weight)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm rounded as the checkpoints' own modules round it: normalised in fp32, cast
+    back, then scaled by the weight in the compute dtype. A single fused op rounds once instead,
+    and in bf16 that difference alone flipped greedy tokens against transformers."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
 def _rotary_tables(rotary: torch.nn.Module, max_len: int, device: torch.device,

@@ -10,7 +10,7 @@ whether another's prompt starts with a guess from how many of its tokens came fr
 Once computed, a full page is published under its key, so a later request whose prompt starts
 with the same tokens takes the page instead of recomputing it. Published pages nobody
 references stay cached until the free list runs dry; then the least recently released one is
-evicted and reused.
+evicted and reused, leaves of a chain before its head.
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ class PageManager:
         return pages
 
     def release(self, pages: Sequence[int]) -> None:
-        for page in pages:
+        """Give back a request's pages. Its leaf goes first into the eviction order and its
+        head last: a chain is evicted from its leaf, so what stays cached is always a prefix
+        a later prompt can still reach (a chain without its head is unreachable)."""
+        for page in reversed(pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if page in self._key_of:

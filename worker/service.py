@@ -20,13 +20,14 @@ import orjson
 import redis.asyncio as aioredis
 import torch
 from redis.exceptions import ResponseError
-from transformers import AutoModelForCausalLM
 
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Error, GenerateRequest
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect, stream_reply
 from shared.settings import Settings
+from worker import checkpoint
+from worker.dtype import dtype_name, pick_dtype
 from worker.engine import AdmissionError, Engine, EngineConfig, StepOutput
 from worker.kv_cache import KVPool, budget_bytes
 from worker.metrics import WorkerMetrics
@@ -34,6 +35,7 @@ from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
 from worker.recovery import Claimed, Recovery, too_many_deliveries
 from worker.synthetic import SyntheticRunner
+from worker.threads import ThreadPolicy
 
 log = logging.getLogger("redserve.worker")
 
@@ -52,11 +54,12 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
     if settings.synthetic_step_ms:
         return _synthetic_engine(info, settings)
     device = pick_device(settings.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype)
-    model.to(device)  # type: ignore[arg-type]
-    runner = ModelRunner(model, release_modules=True)
-    del model  # the runner holds the (fused) weights it needs
+    dtype = pick_dtype(settings.dtype, device)
+    large = settings.threads or len(os.sched_getaffinity(0))
+    threads = ThreadPolicy(large, settings.decode_threads or large)
+    log.info("computing in %s on %s (--dtype %s); CPU threads: %d, %d in decode steps",
+             dtype_name(dtype), device, settings.dtype, threads.large, threads.small)
+    runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True)
     budget = budget_bytes(settings.kv_cache_memory, device)
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
     step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)
@@ -66,6 +69,7 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
         max_model_len=info.max_model_len,
         page_size=settings.page_size,
         prefix_caching=settings.prefix_caching,
+        threads=threads if device.type == "cpu" else None,
     )
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
 
@@ -106,7 +110,8 @@ class WorkerService:
     async def run(self) -> None:
         await self._ensure_group()
         heartbeat = asyncio.create_task(self._heartbeat())
-        log.info("worker %s serving %s on %s", self.name, self.info.name, self.engine.runner.device)
+        log.info("worker %s serving %s on %s in %s", self.name, self.info.name,
+                 self.engine.runner.device, dtype_name(self.engine.runner.kv_shape.dtype))
         try:
             await self._serve()
             await self._drain()
@@ -326,6 +331,7 @@ class WorkerService:
             "kv_pages_free": self.engine.pages.available,
             "kv_pages_total": self.engine.pages.num_pages,
             "device": str(self.engine.runner.device),
+            "dtype": dtype_name(self.engine.runner.kv_shape.dtype),
             "draining": draining,
         }
         workers = self.keys.workers(self.info.name)

@@ -1,0 +1,189 @@
+"""Where a decode step of the engine goes, against the matrix work it cannot avoid.
+
+    python -m ops.bench_step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
+
+For each batch size B, on the default model: B requests with prompts of `--context` random
+tokens are prefilled, then decode steps run (greedy, EOS ignored) and are timed, median of
+`--steps`. Beside each step:
+- linear: the model's own linear layers at that batch and dtype (q/k/v, o, gate/up and down of
+  every layer, and the vocabulary projection), timed alone with the same weights and kernels;
+  the target at batch 32 is step <= 2x linear;
+- the step's parts: the forward pass split by a profile of its tensor operations into matrix
+  work, attention (SDPA and the page gathers that feed it), KV writes, other tensor operations
+  (norms, rotary, activations, residuals) and what is left of the forward's wall time (Python
+  and dispatch); then what the step does outside the forward (scheduling, sampling, the prefix
+  index);
+- the batched sampler alone on the model's logits of the last step: all B rows greedy, and all
+  at temperature 0.8 with top-p 0.9.
+Publishing is not part of a step: the worker publishes step k while step k+1 computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ops.machine import describe
+from shared.messages import GenerateRequest, SamplingParams
+from shared.models import resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+from worker.engine import Engine
+from worker.sampler import Row, sample
+
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math", "aten::index_select")
+KV_WRITE_OPS = ("aten::index_copy_",)
+LAST_LOGITS: list[torch.Tensor] = []  # the model's logits of the last profiled step
+
+
+def _median_ms(fn: Callable[[], object], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _engine(dtype: str, batch: int) -> Engine:
+    from worker.service import build_engine
+
+    settings = Settings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
+                        kv_cache_memory=2 * 1024**3)
+    return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
+
+
+def _fill(engine: Engine, batch: int, context: int) -> None:
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
+        engine.add(GenerateRequest(id=f"s-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
+                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+    while engine.waiting or any(s.num_computed < len(s.tokens) - 1
+                                for s in engine.running.values()):
+        engine.step()
+
+
+def _linear_ms(engine: Engine, batch: int, steps: int) -> float:
+    runner: Any = engine.runner
+    dtype = runner.kv_shape.dtype
+    inputs = {lin: torch.randn(batch, lin.in_features, dtype=dtype) for lin in runner.linears()}
+
+    def run() -> None:
+        for lin, x in inputs.items():
+            lin(x)
+
+    run()
+    return _median_ms(run, steps)
+
+
+def _profile(engine: Engine, steps: int) -> dict[str, float]:
+    """Per-step milliseconds of the step's parts."""
+    runner: Any = engine.runner
+    forward = runner.forward
+    spent = {"forward": 0.0}
+
+    def timed(chunks: Any) -> Any:
+        t0 = time.perf_counter()
+        out = forward(chunks)
+        spent["forward"] += time.perf_counter() - t0
+        LAST_LOGITS[:] = [out]
+        return out
+
+    runner.forward = timed
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step = (time.perf_counter() - t0) / steps * 1e3
+        fwd = spent["forward"] / steps * 1e3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+    finally:
+        runner.forward = forward
+    parts = {"matrix": 0.0, "attention": 0.0, "KV writes": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / steps
+        if event.key in LINEAR_OPS:
+            parts["matrix"] += ms
+        elif event.key in ATTENTION_OPS:
+            parts["attention"] += ms
+        elif event.key in KV_WRITE_OPS:
+            parts["KV writes"] += ms
+        elif event.key.startswith("aten::"):
+            parts["other ops"] += ms
+    profiled = sum(parts.values())
+    # Scale the profile's shares to the unprofiled forward; the rest of it is Python.
+    shares = {k: v / profiled * fwd * _op_fraction(prof, steps, fwd) for k, v in parts.items()}
+    shares["python, dispatch"] = fwd - sum(shares.values())
+    shares["outside forward"] = step - fwd
+    shares["step"] = step
+    return shares
+
+
+def _op_fraction(prof: Any, steps: int, fwd_ms: float) -> float:
+    """The part of the forward's wall time spent inside tensor operations (at most 1)."""
+    top = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(
+        ("aten::", "mkldnn::"))) / 1e3 / steps
+    return min(1.0, top / fwd_ms) if fwd_ms else 0.0
+
+
+def _sampler_ms(logits: torch.Tensor, steps: int) -> tuple[float, float]:
+    batch = logits.shape[0]
+    greedy = [Row(SamplingParams(max_tokens=1, temperature=0.0), None, (1,), 1)] * batch
+    warm = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9)
+    hot = [Row(warm, None, (1,), 1)] * batch
+    return (_median_ms(lambda: sample(logits, greedy), steps),
+            _median_ms(lambda: sample(logits, hot), steps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    console = Console(width=max(Console().width, 120))
+    console.print(describe())
+    table = Table(title=f"{DEFAULT_MODEL} decode step, prompts of {args.context} tokens "
+                        "(ms per step)")
+    columns = ("batch", "step", "tokens/s", "linear", "step/linear", "matrix", "attention",
+               "KV writes", "other ops", "python, dispatch", "outside forward",
+               "sample greedy", "sample top-p")
+    for col in columns:
+        table.add_column(col)
+    dtype_used = ""
+    for batch in args.batches:
+        with console.status(f"batch {batch}"):
+            engine = _engine(args.dtype, batch)
+            dtype_used = str(engine.runner.kv_shape.dtype).removeprefix("torch.")
+            _fill(engine, batch, args.context)
+            parts = _profile(engine, args.steps)
+            linear = _linear_ms(engine, batch, args.steps)
+            greedy, hot = _sampler_ms(LAST_LOGITS[0], args.steps)
+        ratio = parts["step"] / linear
+        verdict = f" ({'met' if ratio <= 2 else 'MISSED'} <= 2)" if batch == 32 else ""
+        table.add_row(str(batch), f"{parts['step']:.1f}", f"{batch / parts['step'] * 1e3:.0f}",
+                      f"{linear:.1f}", f"{ratio:.2f}x{verdict}",
+                      *(f"{parts[k]:.1f}" for k in columns[5:11]), f"{greedy:.2f}", f"{hot:.2f}")
+        del engine
+    console.print(table)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    console.print(f"dtype {dtype_used}, {torch.get_num_threads()} threads; peak RSS {rss:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
