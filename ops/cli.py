@@ -148,6 +148,9 @@ def run_api(settings: Settings) -> None:
 
 
 def run_worker(settings: Settings) -> None:
+    # oneDNN keeps a kernel per matmul shape; every batch size a step can take is a shape of
+    # each linear layer, more than its default cache of 1024 holds.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
     from worker.checkpoint import UnsupportedCheckpoint
     from worker.service import serve
 
@@ -162,6 +165,7 @@ def run_worker(settings: Settings) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from ops.embedded_redis import EmbeddedRedis
+    from worker.threads import usable_cpus
 
     host = args.host or "127.0.0.1"
     settings = _settings(args, "port", "model", "served_model_name", "api_keys_file", "no_auth")
@@ -177,7 +181,7 @@ def run_up(args: argparse.Namespace) -> int:
         env["REDIS_URL"] = embedded.start()
         console.print(f"embedded Valkey at {env['REDIS_URL']}")
     passthrough = ["--model", str(info.path), "--served-model-name", info.name]
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()
     if args.threads is None and "REDSERVE_THREADS" not in os.environ:
         args.threads = max(1, cores // args.workers)
     if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:

@@ -35,7 +35,7 @@ from worker.model_runner import ModelRunner
 from worker.publisher import Publisher
 from worker.recovery import Claimed, Recovery, too_many_deliveries
 from worker.synthetic import SyntheticRunner
-from worker.threads import ThreadPolicy
+from worker.threads import ThreadPolicy, usable_cpus
 
 log = logging.getLogger("redserve.worker")
 
@@ -55,10 +55,12 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
         return _synthetic_engine(info, settings)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
-    large = settings.threads or len(os.sched_getaffinity(0))
+    log.info("computing in %s on %s (--dtype %s)", dtype_name(dtype), device, settings.dtype)
+    large = settings.threads or usable_cpus()
     threads = ThreadPolicy(large, settings.decode_threads or large)
-    log.info("computing in %s on %s (--dtype %s); CPU threads: %d, %d in decode steps",
-             dtype_name(dtype), device, settings.dtype, threads.large, threads.small)
+    if device.type == "cpu":
+        log.info("CPU threads: %d in prefill steps, %d in decode steps", threads.large,
+                 threads.small)
     runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True)
     budget = budget_bytes(settings.kv_cache_memory, device)
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)

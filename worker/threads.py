@@ -12,12 +12,20 @@ for both.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 # Below this many tokens a step is mostly decode: latency-bound, sharing the CPU with I/O.
 LARGE_STEP_TOKENS = 256
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
