@@ -237,13 +237,16 @@ class ModelRunner:
         if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
             q = _rms_norm(q, layer.q_norm, self.eps)
             k = _rms_norm(k, layer.k_norm, self.eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        else:  # q and k heads side by side in the fused output: one rotation for both
+            qk = _rotate(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
 
         k_pool, v_pool = self.pool.k[i], self.pool.v[i]  # [pages, page_size, kv heads, dim]
         k_pool.view(-1, nkv, hd).index_copy_(0, slots, k)
         v_pool.view(-1, nkv, hd).index_copy_(0, slots, v)
 
-        out = torch.empty_like(q)
+        out = torch.empty((t, nh, hd), dtype=q.dtype, device=q.device)
         for p in prefills:
             qp = q[p.lo : p.hi].transpose(0, 1)[None]
             if p.pages is None:  # from position 0: its own K/V is all it attends to
@@ -326,15 +329,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotary_tables(rotary: torch.nn.Module, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_len, head_dim], from the checkpoint's own rotary
-    module (so rope scaling variants come with it)."""
+    module (so rope scaling variants come with it); sin's first half negated (see `_rotate`)."""
     positions = torch.arange(max_len, device=device)[None]
     probe = torch.zeros(1, device=device, dtype=dtype)
     cos, sin = rotary(probe, positions)
-    return cos[0].to(dtype), sin[0].to(dtype)
+    half = sin.shape[-1] // 2
+    sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
+    return cos[0].to(dtype), (sin[0] * sign.to(sin.dtype)).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split layout; x is [tokens, heads, dim], cos/sin [tokens, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """Rotary embedding, half-split layout; x is [tokens, heads, dim], cos and signed sin are
+    [tokens, dim]. (x2, x1) by a roll times (-sin, sin) is transformers' rotate_half(x) * sin
+    with the same roundings, in one op fewer."""
+    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin[:, None]
