@@ -34,6 +34,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from ops.bench_single import generate_timing
 from ops.embedded_redis import free_port
 from ops.machine import descendants, describe, peak_rss_mib
 from shared.models import resolve_model
@@ -183,16 +184,8 @@ def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float]
     ids = torch.tensor([tok.apply_chat_template(
         [{"role": "user", "content": f"Write a long story about {TOPICS[0]}."}],
         add_generation_prompt=True, return_dict=False)])
-    mask = torch.ones_like(ids)
+    _, rate = generate_timing(model, ids, max_tokens)
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
-                       min_new_tokens=max_tokens, do_sample=False)
-        rate = (max_tokens - 1) / (time.perf_counter() - t0 - first)
         long = torch.tensor([long_ids])
         forward = []
         for _ in range(3):

@@ -6,8 +6,8 @@ Starts `redserve up` (embedded Redis, default model) on a free port and reports:
 - start-up: from launching `redserve up` to the first answered request (`--cold` points the
   model cache at an empty directory, so the GGUF conversion is included);
 - one streaming request: time to first token and decode tokens/s, read as a client would;
-- HF `generate` in this process on the same prompt (greedy): time to first token (a one-token
-  generate) and tokens/s, and the ratios.
+- HF `generate` in this process on the same prompt (greedy, at the dtype redserve's `auto`
+  picks here): time to first token (a one-token generate) and tokens/s, and the ratios.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 import orjson
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from ops.embedded_redis import free_port
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
+from worker.dtype import pick_dtype
 
 QUESTION = "What is KV Cache?"
 
@@ -74,23 +77,31 @@ def _stream(port: int, max_tokens: int) -> tuple[float, float, int]:
 
 
 def _hf(max_tokens: int) -> tuple[float, float]:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
     tok = AutoTokenizer.from_pretrained(str(info.path))
-    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch.float32).eval()
+    # The dtype redserve's worker chooses here, so both compute alike.
+    dtype = pick_dtype("auto", torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype).eval()
     ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                 add_generation_prompt=True, return_dict=False)])
+    return generate_timing(model, ids, max_tokens)
+
+
+def generate_timing(model: Any, ids: torch.Tensor, max_tokens: int) -> tuple[float, float]:
+    """transformers `generate` on one prompt, greedy: seconds to the first token (a one-token
+    generate after a warm-up), and decode tokens/s over `max_tokens`."""
     mask = torch.ones_like(ids)
-    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # warm up
-    t0 = time.perf_counter()
-    model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
-                   min_new_tokens=max_tokens, do_sample=False)
-    total = time.perf_counter() - t0
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                       min_new_tokens=max_tokens, do_sample=False)
+        total = time.perf_counter() - t0
     return ttft, (max_tokens - 1) / (total - ttft)
 
 

@@ -40,8 +40,12 @@ class Linear:
                      else "cuda" if weight.device.type == "cuda" else "plain")
         w = weight.detach()
         if self.mode == "packed":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_BATCH)
-        elif self.mode == "cuda":
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_BATCH)
+                return
+            except RuntimeError:  # a oneDNN build without this layout: run it plainly
+                self.mode = "plain"
+        if self.mode == "cuda":
             self.weight = w.contiguous().clone()
         else:
             self.weight = w.t().contiguous()
