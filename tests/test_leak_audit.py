@@ -104,10 +104,13 @@ def test_500_mixed_requests_leave_nothing_behind(
         api = scrape(api_metrics)
         assert api["redserve_api_result_queues"] == 0
         assert api["redserve_api_buffered_results"] == 0
-        assert eventually(lambda: scrape(worker_metrics)["redserve_worker_kv_pages_used"] == 0)
+        # The worker may still be ending cancelled or timed-out requests on a loaded machine:
+        # once it holds none, not one KV page may be left referenced.
+        assert eventually(lambda: (lambda w: w["redserve_worker_running_requests"] == 0
+                                   and w["redserve_worker_waiting_requests"] == 0)(
+                                       scrape(worker_metrics)), 30)
         worker = scrape(worker_metrics)
-        assert worker["redserve_worker_running_requests"] == 0
-        assert worker["redserve_worker_waiting_requests"] == 0
+        assert worker["redserve_worker_kv_pages_used"] == 0
         assert worker["redserve_worker_step_failures_total"] > 0
 
         # Every accepted request ended with exactly one terminal entry.
