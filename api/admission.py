@@ -4,7 +4,10 @@ The model's queued set (see `shared.keys`) holds one member per request no worke
 yet, `<id>:<tenant>:<prompt tokens>`, scored by enqueue time. Workers remove members as they
 take requests; members older than the queue timeout are trimmed here, so a crashed process can
 never leave the queue looking full. The check and the insert are one script: two replicas
-cannot both take the last slot.
+cannot both take the last slot. The same script appends the request to the model's stream
+(both keys share the model's Cluster slot), trimming entries older than the request TTL, and
+gives the stream its TTL when it makes it: so a place is never held by a request that is not
+on the stream, and no prompt outlives its TTL there.
 
 One tenant may hold at most `max_per_tenant` of the queue's places, so no single tenant can
 fill it and have every other tenant's requests refused.
@@ -17,23 +20,33 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from shared.keys import Keys
 from shared.messages import GenerateRequest
 
 _ADMIT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local members = redis.call('ZRANGE', KEYS[1], 0, -1)
-if #members >= tonumber(ARGV[5]) then return 0 end
-local tokens = tonumber(ARGV[4])
-local mine = 0
-for _, m in ipairs(members) do
-  local tenant, n = string.match(m, ':([^:]*):(%d+)$')
-  tokens = tokens + tonumber(n)
-  if tenant == ARGV[9] then mine = mine + 1 end
+local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local stale, count, mine, tokens = false, 0, 0, tonumber(ARGV[4])
+for i = 1, #members, 2 do
+  if tonumber(members[i + 1]) <= tonumber(ARGV[2]) then
+    stale = true
+  else
+    count = count + 1
+    local tenant, n = string.match(members[i], ':([^:]*):(%d+)$')
+    tokens = tokens + tonumber(n)
+    if tenant == ARGV[9] then mine = mine + 1 end
+  end
 end
+if stale then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2]) end
+if count >= tonumber(ARGV[5]) then return 0 end
 if mine >= tonumber(ARGV[8]) then return -2 end
 if tokens > tonumber(ARGV[6]) then return -1 end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[7])
+local entry = {'*', 'id', ARGV[12], 'body', ARGV[13]}
+if not redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MINID', ARGV[10], unpack(entry)) then
+  redis.call('XADD', KEYS[2], unpack(entry))
+  redis.call('EXPIRE', KEYS[2], ARGV[11])
+end
 return 1
 """
 
@@ -47,19 +60,26 @@ class QueueLimits:
 
 
 class Admission:
-    def __init__(self, redis: aioredis.Redis, limits: QueueLimits) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, limits: QueueLimits,
+                 request_ttl_s: int) -> None:
         self._script = redis.register_script(_ADMIT)
+        self.keys = keys
         self.limits = limits
+        self.request_ttl_s = request_ttl_s
 
-    async def try_enqueue(self, queued_key: str, request: GenerateRequest) -> str | None:
-        """Reserve a queue slot; None if admitted, else why not."""
+    async def try_enqueue(self, request: GenerateRequest) -> str | None:
+        """Reserve a queue place and enqueue the request; None if done, else why not."""
         now = time.time()
         limits = self.limits
+        oldest_ms = int((now - self.request_ttl_s) * 1000)
+        fields = request.to_fields()
         result = await self._script(
-            keys=[queued_key],
+            keys=[self.keys.queued(request.model), self.keys.requests(request.model)],
             args=[now, now - limits.timeout_s - 5, request.queue_member,
                   len(request.prompt_ids), limits.max_requests, limits.max_tokens,
-                  int(limits.timeout_s) + 10, limits.max_per_tenant, request.tenant],
+                  int(limits.timeout_s) + 10, limits.max_per_tenant, request.tenant,
+                  f"{max(oldest_ms, 0)}-0", self.request_ttl_s, fields["id"],
+                  fields["body"]],
         )
         if result == 1:
             return None

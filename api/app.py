@@ -9,18 +9,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, routes, status
 from api.admission import Admission, QueueLimits
 from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
-from api.context import AppContext, Live
+from api.context import AppContext, Live, ServedModel
 from api.metrics import APIMetrics
 from api.reader import ResultReader
-from api.routes import router
 from api.text import TextCodec
 from shared.keys import Keys, new_replica_tag
 from shared.messages import Error
-from shared.models import resolve_model
+from shared.models import parse_specs, resolve_models
 from shared.redis_conn import connect
 from shared.settings import Settings
 
@@ -39,10 +38,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        info = await asyncio.to_thread(
-            resolve_model, settings.model, settings.cache_dir, settings.served_model_name
-        )
-        codec = await asyncio.to_thread(TextCodec, str(info.path))
+        specs = parse_specs(settings.model, settings.served_model_name, settings.models_file)
+        infos = await asyncio.to_thread(resolve_models, specs, settings.cache_dir)
+        models = {}
+        for info in infos:
+            models[info.name] = ServedModel(info, await asyncio.to_thread(TextCodec,
+                                                                          str(info.path)))
         replica = new_replica_tag()
         keys = Keys(settings.key_prefix)
         clients = connect(redis_url, name=f"redserve-api-{replica}",
@@ -61,13 +62,13 @@ def create_app(settings: Settings) -> FastAPI:
 
         reader = ResultReader(clients, keys, replica, settings.per_request_buffer,
                               settings.slow_client_timeout_s, on_slow_client)
-        admission = Admission(clients.commands, QueueLimits(
+        admission = Admission(clients.commands, keys, QueueLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
-            settings.max_queued_per_tenant))
-        ctx = AppContext(settings, keys, info, codec, clients, reader, admission, metrics, replica,
+            settings.max_queued_per_tenant), settings.request_ttl_s)
+        ctx = AppContext(settings, keys, models, clients, reader, admission, metrics, replica,
                          live)
         metrics.watch(
-            inflight=lambda: len(ctx.live.requests),
+            inflight=lambda: len(ctx.live.requests) + len(ctx.live.resumes),
             queues=lambda: len(reader.subscriptions),
             buffered=lambda: sum(s.queue.qsize() for s in reader.subscriptions.values()),
         )
@@ -77,8 +78,8 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             # Requests still open here are past the drain: end them, then stop reading.
-            for generation in list(ctx.live.requests.values()):
-                generation.fail(SHUTDOWN_ERROR)
+            for request in ctx.live.all():
+                request.fail(SHUTDOWN_ERROR)
             # Disconnected streams still in their resume grace run on to their end (another
             # replica may be serving their resume); only the pending cancellation goes.
             for deferred in list(ctx.live.deferred):
@@ -89,15 +90,17 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="redserve", lifespan=lifespan)
     app.state.api_keys = api_keys
     errors.install(app)
-    app.include_router(router)
+    app.include_router(status.router)
+    app.include_router(routes.router)
     app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     return app
 
 
 async def drain(app: FastAPI, grace_s: float) -> None:
-    """Refuse new requests, give open ones `grace_s` to finish, then end the rest with an
-    error (an SSE error event for streams) and give their handlers a moment to send it."""
+    """Refuse new requests, give open ones (resumed streams too) `grace_s` to finish, then
+    end the rest with an error (an SSE error event for streams) and give their handlers a
+    moment to send it."""
     ctx: AppContext = app.state.ctx
     ctx.live.draining = True
     try:
@@ -106,8 +109,8 @@ async def drain(app: FastAPI, grace_s: float) -> None:
         return
     except TimeoutError:
         pass
-    for generation in list(ctx.live.requests.values()):
-        generation.fail(SHUTDOWN_ERROR)
+    for request in ctx.live.all():
+        request.fail(SHUTDOWN_ERROR)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(2.0):
             await ctx.live.wait_idle()

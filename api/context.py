@@ -15,17 +15,18 @@ from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.text import TextCodec
 from shared.keys import Keys
-from shared.messages import Error, GenerateRequest
+from shared.messages import Error
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients
 from shared.settings import Settings
 
 
 class LiveRequest(Protocol):
-    """A request this replica is serving (`api.generation.Generation`)."""
+    """A request this replica is serving: `api.generation.Generation`, or the `Replay` of a
+    resumed stream (a drain waits for both)."""
 
     @property
-    def request(self) -> GenerateRequest: ...
+    def request_id(self) -> str: ...
 
     def fail(self, error: Error) -> None: ...
 
@@ -35,31 +36,58 @@ class Live:
     """Requests alive in this replica, and whether it is draining."""
 
     requests: dict[str, LiveRequest] = field(default_factory=dict)
+    # Resumed streams served here (several clients may resume one request).
+    resumes: set[LiveRequest] = field(default_factory=set)
     # Cancellations of disconnected streams, waiting out the resume grace.
     deferred: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add(self, generation: LiveRequest) -> None:
-        self.requests[generation.request.id] = generation
+    def add(self, live: LiveRequest) -> None:
+        self.requests[live.request_id] = live
         self._idle.clear()
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-        if not self.requests:
+        self._check_idle()
+
+    def add_resume(self, live: LiveRequest) -> None:
+        self.resumes.add(live)
+        self._idle.clear()
+
+    def remove_resume(self, live: LiveRequest) -> None:
+        self.resumes.discard(live)
+        self._check_idle()
+
+    def all(self) -> list[LiveRequest]:
+        return [*self.requests.values(), *self.resumes]
+
+    def _check_idle(self) -> None:
+        if not self.requests and not self.resumes:
             self._idle.set()
 
     async def wait_idle(self) -> None:
-        if self.requests:
+        if self.requests or self.resumes:
             await self._idle.wait()
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model this replica serves: its checkpoint facts and its tokenizer."""
+
+    info: ModelInfo
+    codec: TextCodec
+
+    @property
+    def name(self) -> str:
+        return self.info.name
 
 
 @dataclass(frozen=True)
 class AppContext:
     settings: Settings
     keys: Keys
-    model: ModelInfo
-    codec: TextCodec
+    models: dict[str, ServedModel]  # by the name clients use
     clients: RedisClients
     reader: ResultReader
     admission: Admission

@@ -19,7 +19,8 @@ from api.context import AppContext
 from api.errors import APIError
 from api.reader import Subscription
 from api.resume import StreamView
-from shared.messages import Error, Finish, GenerateRequest, RequestState, ResultEntry
+from shared.aborts import stage_aborts
+from shared.messages import Error, Finish, GenerateRequest, RequestState, ResultEntry, queue_timeout
 
 log = logging.getLogger("redserve.api")
 
@@ -36,6 +37,11 @@ class Generation:
         self._worker_ended = False  # the worker wrote the terminal entry
         self._aborting: asyncio.Task[None] | None = None
         self._closed = False
+        self._enqueued = False  # on the model's stream: a worker may hold it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
 
     async def start(self) -> None:
         ctx, req = self.ctx, self.request
@@ -44,16 +50,9 @@ class Generation:
             raise APIError(503, "this replica is shutting down; retry on another",
                            type="server_error", code="draining", headers={"Retry-After": "1"})
         keys, ttl = ctx.keys, ctx.settings.request_ttl_s
-        try:
-            refused = await ctx.admission.try_enqueue(keys.queued(req.model), req)
-        except aioredis.RedisError as e:
-            raise _unavailable(ctx, e) from e
-        if refused is not None:
-            ctx.metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, refused, type="rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": "1"})
         self._sub = ctx.reader.open(req.id)
         ctx.live.add(self)
+        # The hash first: a worker may take the request as soon as it is on the stream.
         pipe = ctx.clients.commands.pipeline(transaction=False)
         state_key = keys.state(req.id)
         pipe.hset(state_key, mapping={
@@ -67,15 +66,23 @@ class Generation:
             **({"stream": self.view.to_json()} if self.view is not None else {}),
         })
         pipe.expire(state_key, ttl)
-        pipe.xadd(keys.requests, req.to_fields(),  # type: ignore[arg-type]
-                  maxlen=ctx.settings.request_stream_maxlen, approximate=True)
-        ctx.reader.queue_wake(pipe, ttl)
         try:
             await pipe.execute()
+            self._enqueued = True  # from here on it may be on the stream (if the script fails)
+            refused = await ctx.admission.try_enqueue(req)
         except aioredis.RedisError as e:
             self.outcome = "redis_unavailable"
             await self.close()
             raise _unavailable(ctx, e) from e
+        if refused is not None:
+            ctx.metrics.rejected.labels("queue_full").inc()
+            self._closed = True  # never enqueued: nothing to end
+            ctx.reader.close(self._sub)
+            ctx.live.remove(req.id)
+            with contextlib.suppress(aioredis.RedisError):
+                await ctx.clients.commands.delete(state_key)
+            raise APIError(429, refused, type="rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": "1"})
 
     def fail(self, error: Error) -> None:
         """End the request from this side: its client gets `error` next, and the worker is
@@ -104,8 +111,7 @@ class Generation:
             except TimeoutError:
                 if waiting_in_queue:
                     if await self._still_queued():
-                        return self._end(Error("no worker took the request before its queue "
-                                               "deadline", "server_error", "queue_timeout"))
+                        return self._end(queue_timeout(self.request.model))
                     self._started = True  # a worker has it: wait for the full deadline
                     continue
                 return self._end(Error("request timed out", "timeout", "request_timeout"))
@@ -143,7 +149,7 @@ class Generation:
         # Wakes anyone still iterating, who then sees the end.
         self._sub.fail(Error("the request was closed", "server_error", "closed"))
         ctx.live.remove(self.request.id)
-        if not self._worker_ended:
+        if self._enqueued and not self._worker_ended:
             grace = ctx.settings.resume_grace_s
             if self._aborting is None and outcome is None and self.view is not None and grace:
                 # A stream whose client went away: leave it running for a resume.
@@ -170,7 +176,7 @@ class Generation:
         self.ctx.metrics.aborts.inc()
         keys, ttl = self.ctx.keys, self.ctx.settings.request_ttl_s
         pipe = self.ctx.clients.commands.pipeline(transaction=False)
-        pipe.set(keys.abort(self.request.id), "1", ex=ttl)
+        stage_aborts(pipe, keys, [self.request.id], ttl)
         # If no worker took it yet, its queue slot is free from now on.
         pipe.zrem(keys.queued(self.request.model), self.request.queue_member)
         with contextlib.suppress(aioredis.RedisError):

@@ -1,12 +1,20 @@
-"""One task per replica reads every in-flight result stream with a single XREAD and routes
-entries by request id into bounded per-request queues (the seed's `listen`, without its leaks:
-a subscription is removed by whoever opened it, whatever way the request ends).
+"""One task per replica reads the results of all its requests from the replica's feed and routes
+them by request id into bounded per-request queues (the seed's `listen`, without its leaks: a
+subscription is removed by whoever opened it, whatever way the request ends).
 
-New requests wake the blocked XREAD through the replica's wake stream, which shares the
-replica's hash tag, so the whole read stays within one Redis Cluster slot. A request whose
-queue is nearly full is left out of the read until its client catches up: the tokens wait in
-Redis, not in this process. A client that stays that far behind for `slow_after_s` is reported
-through `on_slow_client`.
+Workers append one feed entry per step with every new result entry of this replica's requests
+(see shared/keys.py), after writing the same entries to each request's result stream. So the
+reader blocks on one key and takes a whole step in one command, whatever the number of
+requests: a blocking XREAD over every request's stream would cost Redis a registration and a
+wake on each of them per step. The feed is within the replica's hash tag, one Cluster slot.
+
+The result streams stay the record. A request's entries are placed by token index, so one seen
+twice (a worker that resumed a request, a retried publish) is dropped and one that skips ahead
+shows a gap. When a client falls behind (its queue is nearly full) or a gap shows, its request
+leaves the feed and catches up from its own result stream, tokens waiting in Redis rather than
+in this process, and rejoins the feed once level; a client that stays behind for
+`slow_after_s` is reported through `on_slow_client`. Should the feed vanish (Redis restarted),
+it is made anew and every request catches up from its stream.
 
 Every request of the replica depends on this one task, so it must never die silently: an entry
 that cannot be decoded ends only its own request (with an error), and should the loop itself
@@ -20,38 +28,43 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Error, Finish, ResultEntry, decode_result
+from shared.messages import Error, Finish, ResultEntry, Tokens, decode_feed, decode_result, expand
 from shared.redis_conn import RedisClients, StreamEntries, stream_reply
 
 log = logging.getLogger("redserve.api.reader")
 
-READ_COUNT = 64  # most entries per stream per read
+READ_COUNT = 64  # most feed entries per read; most stream entries per catch-up read
 BLOCK_MS = 1000
 # Reads failing this long mean Redis is gone: open requests end with an error, not a hang.
 OUTAGE_AFTER_S = 1.0
-# While some client is behind, read with a short block so its stream resumes promptly once it
-# catches up (a blocked XREAD would otherwise hold the stream paused for up to BLOCK_MS).
-PAUSED_BLOCK_MS = 20
-WAKE_MAXLEN = 64
+# While some client is behind, read with a short block so it catches up promptly once it
+# reads again.
+BEHIND_BLOCK_MS = 20
+FEED_MAXLEN = 1000
+# How often the feed's TTL is refreshed (and its loss noticed).
+FEED_CHECK_S = 5.0
 RESTART_PAUSE_S = 0.1
+MALFORMED = Error("the worker sent a malformed result entry", "server_error", "malformed_result")
 
 
 @dataclass
 class Subscription:
     request_id: str
-    key: str
+    key: str  # its result stream
     queue: asyncio.Queue[ResultEntry]
-    last_id: bytes | str = "0-0"
+    next_index: int = 0  # the next token index it expects
     ended: bool = False  # a terminal entry has been routed
     failed: bool = False  # ...and it came from this replica, not from a worker
-    paused_since: float | None = None
+    behind: bool = False  # off the feed: reads its own stream until level
+    stream_id: bytes | str = "0-0"  # how far it has read its own stream
+    behind_since: float | None = None  # when it last had no room
 
     def fail(self, error: Error) -> None:
         """End the request here: drop what is buffered, deliver `error` next."""
@@ -62,6 +75,30 @@ class Subscription:
         self.queue.put_nowait(error)
         self.ended = self.failed = True
 
+    def offer(self, entries: list[ResultEntry], room: int) -> bool:
+        """Queue what is new in `entries` (in order); False if it must catch up from its
+        stream instead (a gap, or no room)."""
+        for entry in entries:
+            if self.ended:
+                return True
+            if isinstance(entry, Tokens):
+                skip = self.next_index - entry.index
+                if skip < 0:
+                    return False  # a gap: some tokens never reached the feed
+                if skip >= len(entry.ids):
+                    continue  # seen already
+                if skip:
+                    entry = Tokens(self.next_index, entry.ids[skip:],
+                                   entry.logprobs[skip:] if entry.logprobs else None)
+            if self.queue.qsize() >= room:
+                return False
+            self.queue.put_nowait(entry)
+            if isinstance(entry, Tokens):
+                self.next_index = entry.index + len(entry.ids)
+            elif isinstance(entry, Finish | Error):
+                self.ended = True
+        return True
+
 
 @dataclass
 class ResultReader:
@@ -71,20 +108,22 @@ class ResultReader:
     buffer: int
     slow_after_s: float
     on_slow_client: Callable[[str], None] = lambda request_id: None
-    subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by stream key
-    _wake_id: bytes | str = "0-0"
-    _count: int = READ_COUNT
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by request id
+    _feed_id: bytes | str = "0-0"
+    _ttl_s: int = 3600
+    _feed_checked: float = 0.0
     _task: asyncio.Task[None] | None = None
     restarts: int = 0
 
     @property
-    def wake_key(self) -> str:
-        return self.keys.wake(self.replica)
+    def feed_key(self) -> str:
+        return self.keys.feed(self.replica)
 
     async def start(self, ttl_s: int) -> None:
-        self._count = min(READ_COUNT, self.buffer // 2)
-        # Start reading the wake stream after an entry of our own: every later wake is newer.
-        self._wake_id = await self._wake(self.clients.commands, ttl_s)
+        self._ttl_s = ttl_s
+        # Read the feed from an entry of our own on: every later one is newer.
+        self._feed_id = await self._make_feed()
+        self._feed_checked = time.monotonic()
         self._task = asyncio.create_task(self._supervise(), name="result-reader")
 
     @property
@@ -99,20 +138,17 @@ class ResultReader:
 
     def open(self, request_id: str) -> Subscription:
         sub = Subscription(request_id, self.keys.out(request_id), asyncio.Queue(self.buffer))
-        self.subscriptions[sub.key] = sub
+        self.subscriptions[request_id] = sub
         return sub
 
     def close(self, sub: Subscription) -> None:
-        self.subscriptions.pop(sub.key, None)
+        self.subscriptions.pop(sub.request_id, None)
 
-    def queue_wake(self, pipe: aioredis.client.Pipeline, ttl_s: int) -> None:
-        """Add the wake-up to a pipeline that also enqueues a request."""
-        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN)
-        pipe.expire(self.wake_key, ttl_s)
-
-    async def _wake(self, redis: aioredis.Redis, ttl_s: int) -> bytes:
-        pipe = redis.pipeline(transaction=False)
-        self.queue_wake(pipe, ttl_s)
+    async def _make_feed(self) -> bytes:
+        """The feed exists from here on (workers never make it), with its TTL."""
+        pipe = self.clients.commands.pipeline(transaction=False)
+        pipe.xadd(self.feed_key, {"": ""}, maxlen=FEED_MAXLEN, approximate=True)
+        pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)
 
@@ -125,32 +161,25 @@ class ResultReader:
             except Exception:
                 self.restarts += 1
                 log.exception("result reader failed; restarting it (restart %d)", self.restarts)
+                # What the failed pass was routing may be lost: every request catches up from
+                # its stream, the record.
+                for sub in self.subscriptions.values():
+                    sub.behind = True
                 await asyncio.sleep(RESTART_PAUSE_S)
 
     async def _run(self) -> None:
         backoff = 0.05
         failing_since: float | None = None
         while True:
-            streams: dict[Any, Any] = {self.wake_key: self._wake_id}
             now = time.monotonic()
-            block = BLOCK_MS
-            for sub in list(self.subscriptions.values()):
-                if sub.ended:
-                    continue
-                if sub.queue.qsize() <= self.buffer - self._count:
-                    sub.paused_since = None
-                    streams[sub.key] = sub.last_id
-                    continue
-                block = PAUSED_BLOCK_MS
-                if sub.paused_since is None:
-                    sub.paused_since = now
-                elif now - sub.paused_since > self.slow_after_s:
-                    sub.paused_since = None
-                    self.on_slow_client(sub.request_id)
             try:
+                if now - self._feed_checked > FEED_CHECK_S:
+                    await self._check_feed()
+                    self._feed_checked = now
+                waiting = await self._catch_up(now)
                 response = await self.clients.blocking.xread(
-                    streams, count=self._count, block=block
-                )
+                    {self.feed_key: self._feed_id}, count=READ_COUNT,
+                    block=BEHIND_BLOCK_MS if waiting else BLOCK_MS)
                 backoff, failing_since = 0.05, None
             except aioredis.RedisError as e:
                 log.warning("result reader: %s; retrying in %.2fs", e, backoff)
@@ -161,29 +190,78 @@ class ResultReader:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            for raw_key, entries in stream_reply(response):
-                self._route(raw_key.decode(), entries)
+            for _, entries in stream_reply(response):
+                for entry_id, fields in entries:
+                    self._feed_id = entry_id
+                    self._route_feed(fields)
+
+    async def _check_feed(self) -> None:
+        """Refresh the feed's TTL; if it is gone (Redis lost its data), make it anew and
+        have every request catch up from its stream."""
+        if await self.clients.commands.expire(self.feed_key, self._ttl_s):
+            return
+        log.warning("the replica's feed was gone (Redis restarted?); every open request "
+                    "catches up from its result stream")
+        self._feed_id = await self._make_feed()
+        for sub in self.subscriptions.values():
+            sub.behind = True
+
+    async def _catch_up(self, now: float) -> bool:
+        """Read the streams of the requests off the feed, those with room; True while some
+        request is still behind."""
+        waiting = False
+        room = self.buffer - 2  # a finish entry may carry tokens: two queue items
+        for sub in list(self.subscriptions.values()):
+            if not sub.behind or sub.ended:
+                continue
+            free = room - sub.queue.qsize()
+            if free < 2:
+                waiting = True
+                sub.behind_since = sub.behind_since or now
+                if now - sub.behind_since > self.slow_after_s:
+                    sub.behind_since = None
+                    self.on_slow_client(sub.request_id)
+                continue
+            sub.behind_since = None
+            reply = cast(StreamEntries, await self.clients.commands.xrange(
+                sub.key, _after(sub.stream_id), "+", count=free // 2))
+            for entry_id, fields in reply:
+                sub.stream_id = entry_id
+                sub.offer(_decode(sub.key, fields), room)
+            if len(reply) < free // 2:
+                sub.behind = False  # level with its stream: the feed brings the rest
+            else:
+                waiting = True
+        return waiting
+
+    def _route_feed(self, fields: Mapping[bytes, bytes]) -> None:
+        try:
+            batch = decode_feed(dict(fields))
+        except Exception:
+            log.exception("malformed feed entry")
+            return
+        room = self.buffer - 2
+        for request_id, entry_fields in batch.items():
+            sub = self.subscriptions.get(request_id)
+            if sub is None or sub.behind or sub.ended:
+                continue  # gone, or catching up from its stream (which has this too)
+            if not sub.offer(_decode(sub.key, entry_fields), room):
+                sub.behind = True
 
     def _fail_all(self, error: Error) -> None:
         for sub in self.subscriptions.values():
             sub.fail(error)
 
-    def _route(self, key: str, entries: StreamEntries) -> None:
-        if key == self.wake_key:
-            self._wake_id = entries[-1][0]
-            return
-        sub = self.subscriptions.get(key)
-        if sub is None:
-            return  # its request already ended here: late entries have no one to go to
-        for entry_id, fields in entries:
-            sub.last_id = entry_id
-            try:
-                entry = decode_result(fields)
-            except Exception:
-                log.exception("malformed result entry %s in %s", entry_id, key)
-                entry = Error("the worker sent a malformed result entry", "server_error",
-                              "malformed_result")
-            sub.queue.put_nowait(entry)
-            if isinstance(entry, Finish | Error):
-                sub.ended = True
-                return
+
+def _decode(key: str, fields: Mapping[bytes, bytes] | Mapping[str, str]) -> list[ResultEntry]:
+    try:
+        return expand(decode_result(dict(fields)))
+    except Exception:
+        log.exception("malformed result entry in %s", key)
+        return [MALFORMED]
+
+
+def _after(entry_id: bytes | str) -> str:
+    """The XRANGE start just after `entry_id`."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return f"({text}"

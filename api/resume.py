@@ -24,7 +24,16 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.responses import Kind
-from shared.messages import Error, Finish, ResultEntry, decode_result
+from shared.aborts import stage_aborts
+from shared.messages import (
+    Error,
+    Finish,
+    RequestState,
+    ResultEntry,
+    decode_result,
+    expand,
+    queue_timeout,
+)
 from shared.redis_conn import stream_reply
 
 # A resumed stream polls its one key without blocking: a blocking read would hold one of the
@@ -46,6 +55,7 @@ class StreamView:
     include_stop: bool
     include_usage: bool
     deadline: float
+    queue_deadline: float = 0.0  # 0: not recorded
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()
@@ -59,16 +69,28 @@ class StreamView:
 
 class Replay:
     """A request's result entries read straight from Redis, from the first one: the source of
-    a resumed stream (in place of a live `Generation`)."""
+    a resumed stream (in place of a live `Generation`). It keeps the request's deadlines as
+    the first stream did: no worker by the queue deadline ends it with `queue_timeout`."""
 
-    def __init__(self, ctx: AppContext, request_id: str, deadline: float) -> None:
+    def __init__(self, ctx: AppContext, request_id: str, view: StreamView) -> None:
         self.ctx = ctx
-        self.request_id = request_id
-        self.deadline = deadline
+        self._id = request_id
+        self.view = view
         self._key = ctx.keys.out(request_id)
         self._last: bytes | str = "0-0"
         self._buffer: list[ResultEntry] = []
         self._ended = False
+        self._started = False  # some entry was read
+        self._failed: Error | None = None
+        ctx.live.add_resume(self)
+
+    @property
+    def request_id(self) -> str:
+        return self._id
+
+    def fail(self, error: Error) -> None:
+        """End the stream here (the replica is shutting down): `error` comes next."""
+        self._failed = error
 
     def __aiter__(self) -> Replay:
         return self
@@ -77,8 +99,12 @@ class Replay:
         while not self._buffer:
             if self._ended:
                 raise StopAsyncIteration
-            if time.time() > self.deadline:
-                self._buffer.append(Error("request timed out", "timeout", "request_timeout"))
+            if self._failed is not None:
+                self._buffer.append(self._failed)
+                break
+            late = await self._past_deadline()
+            if late is not None:
+                self._buffer.append(late)
                 break
             try:
                 reply = await self.ctx.clients.commands.xread({self._key: self._last},
@@ -90,23 +116,49 @@ class Replay:
             for _, entries in stream_reply(reply):
                 for entry_id, fields in entries:
                     self._last = entry_id
-                    self._buffer.append(decode_result(fields))
+                    self._started = True
+                    self._buffer.extend(expand(decode_result(fields)))
             if not self._buffer:
                 await asyncio.sleep(POLL_S)
         entry = self._buffer.pop(0)
         if isinstance(entry, Finish | Error):
-            self._ended = True
-            self._buffer.clear()
+            self._end()
         return entry
+
+    async def _past_deadline(self) -> Error | None:
+        now = time.time()
+        if now > self.view.deadline:
+            await self._abort()
+            return Error("request timed out", "timeout", "request_timeout")
+        if self._started or not self.view.queue_deadline or now <= self.view.queue_deadline:
+            return None
+        try:
+            state = await self.ctx.clients.commands.hget(self.ctx.keys.state(self._id), "state")
+        except aioredis.RedisError:
+            return None
+        if state not in (None, RequestState.QUEUED.encode()):
+            self._started = True  # a worker has it: only the full deadline applies now
+            return None
+        await self._abort()
+        return queue_timeout(self.view.model)
+
+    def _end(self) -> None:
+        self._ended = True
+        self._buffer.clear()
+        self.ctx.live.remove_resume(self)
 
     async def close(self, outcome: str | None = None) -> None:
         """A client leaving a resumed stream cancels the request, as on its first stream."""
         if self._ended:
             return
-        self._ended = True
+        self._end()
+        await self._abort()
+
+    async def _abort(self) -> None:
+        pipe = self.ctx.clients.commands.pipeline(transaction=False)
+        stage_aborts(pipe, self.ctx.keys, [self._id], self.ctx.settings.request_ttl_s)
         with contextlib.suppress(aioredis.RedisError):
-            await self.ctx.clients.commands.set(self.ctx.keys.abort(self.request_id), "1",
-                                                ex=self.ctx.settings.request_ttl_s)
+            await pipe.execute()
 
 
 def last_event_id(header: str | None) -> int:

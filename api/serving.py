@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
 from api.choices import Choice, StopStrings, chat_logprobs, text_logprobs
-from api.context import AppContext
+from api.context import AppContext, ServedModel
 from api.errors import APIError, error_body
 from api.generation import Generation
 from api.protocol import ChatCompletionRequest, CompletionRequest
@@ -66,8 +66,8 @@ def _trace_id(header: str) -> str:
     return header if _TRACE_ID.match(header) else ""
 
 
-def fit_context(ctx: AppContext, prompt_tokens: int, requested: int | None) -> int:
-    limit = ctx.model.max_model_len
+def fit_context(model: ServedModel, prompt_tokens: int, requested: int | None) -> int:
+    limit = model.info.max_model_len
     if requested is None:
         if prompt_tokens >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
@@ -84,6 +84,7 @@ def fit_context(ctx: AppContext, prompt_tokens: int, requested: int | None) -> i
 
 async def generate(
     ctx: AppContext,
+    model: ServedModel,
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
     prompts: list[list[int]],
@@ -93,7 +94,7 @@ async def generate(
 ) -> Response:
     now = time.time()
     base_id = new_request_id(ctx.replica)
-    vocab = len(ctx.codec.tokenizer)
+    vocab = len(model.codec.tokenizer)
     for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
                        ("stop_token_ids", body.stop_token_ids or [])):
         bad = next((t for t in ids if t >= vocab), None)
@@ -104,13 +105,13 @@ async def generate(
     for p_index, prompt_ids in enumerate(prompts):
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        max_tokens = fit_context(ctx, len(prompt_ids), body.requested_max_tokens())
+        max_tokens = fit_context(model, len(prompt_ids), body.requested_max_tokens())
         for j in range(body.n):
             index = p_index * body.n + j
             seed = None if body.seed is None else body.seed + index
             requests.append(GenerateRequest(
                 id=base_id if index == 0 else f"{base_id}-{index}",
-                model=ctx.model.name,
+                model=model.name,
                 prompt_ids=tuple(prompt_ids),
                 params=sampling_params(body, max_tokens, seed),
                 created=now,
@@ -124,19 +125,20 @@ async def generate(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     view = None
     if body.stream and len(requests) == 1:  # resumable (see api/resume.py)
-        view = StreamView(kind, base_id, ctx.model.name, int(now), prompt_tokens,
+        view = StreamView(kind, base_id, model.name, int(now), prompt_tokens,
                           echoes[0] if echoes else "", tuple(stops or ()),
-                          body.include_stop_str_in_output, include_usage, requests[0].deadline)
+                          body.include_stop_str_in_output, include_usage, requests[0].deadline,
+                          requests[0].queue_deadline)
     generations = [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view)
                    for i, req in enumerate(requests)]
     choices = [
         Choice(
             index=i,
             generation=generations[i],
-            decoder=ctx.codec.decoder(),
+            decoder=model.codec.decoder(),
             stops=StopStrings(stops, body.include_stop_str_in_output) if stops else None,
             chat=kind == "chat",
-            codec=ctx.codec,
+            codec=model.codec,
             prefix=echoes[i // body.n] if echoes else "",
             prompt_index=i // body.n,
         )
@@ -153,7 +155,7 @@ async def generate(
     except BaseException:
         await _close_all(choices)
         raise
-    fmt = ResponseFormat(kind, base_id, ctx.model.name, int(now))
+    fmt = ResponseFormat(kind, base_id, model.name, int(now))
     headers = {"X-Request-Id": base_id}
     if body.stream:
         return _sse(choices, fmt, prompt_tokens, include_usage, headers)
@@ -164,16 +166,17 @@ async def generate(
     return json_response(reply, headers=headers)
 
 
-def resume(ctx: AppContext, request_id: str, view: StreamView, after: int) -> Response:
+def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamView,
+           after: int) -> Response:
     """A single-choice stream replayed from its result stream; only events after `after`
     are sent."""
     choice = Choice(
         index=0,
-        generation=Replay(ctx, request_id, view.deadline),
-        decoder=ctx.codec.decoder(),
+        generation=Replay(ctx, request_id, view),
+        decoder=model.codec.decoder(),
         stops=StopStrings(list(view.stops), view.include_stop) if view.stops else None,
         chat=view.kind == "chat",
-        codec=ctx.codec,
+        codec=model.codec,
         prefix=view.prefix,
     )
     fmt = ResponseFormat(view.kind, view.base_id, view.model, view.created)

@@ -56,7 +56,7 @@ def _hf_model(dtype: str, **kw: Any) -> Any:
 
 
 def _engine(kv_bytes: int, max_running: int, dtype: str) -> Any:
-    from worker.service import build_engine
+    from worker.build import build_engine
 
     settings = Settings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
                         dtype=dtype)  # type: ignore[arg-type]  # a --dtype choice

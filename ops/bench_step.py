@@ -56,7 +56,7 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
 
 
 def _engine(dtype: str, batch: int) -> Engine:
-    from worker.service import build_engine
+    from worker.build import build_engine
 
     settings = Settings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
                         kv_cache_memory=2 * 1024**3)

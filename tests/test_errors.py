@@ -18,7 +18,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture
 def nothing_enqueued(tiny_stack: Stack, sync_redis: redis.Redis) -> Iterator[None]:
-    key = Keys(tiny_stack.prefix).requests
+    key = Keys(tiny_stack.prefix).requests(MODEL)
     before = sync_redis.xlen(key)
     yield
     assert sync_redis.xlen(key) == before, "a rejected request reached the request stream"

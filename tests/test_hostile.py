@@ -13,7 +13,7 @@ import asyncio
 import math
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,13 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 
 from api.reader import ResultReader
 from shared.keys import Keys
 from shared.messages import Finish, Tokens
-from shared.redis_conn import StreamEntries, connect
-from tests.stack import Stack, eventually, queued_requests
+from shared.redis_conn import connect
+from tests.stack import Stack, eventually, publish, queued_requests
 
 MODEL = "tiny-llama"
 HI = [{"role": "user", "content": "Hi"}]
@@ -237,7 +238,7 @@ def test_a_malformed_result_entry_ends_only_its_request(
     scripted: Stack, sync_redis: Any, bad: dict[str, str]
 ) -> None:
     keys = Keys(scripted.prefix)
-    sync_redis.delete(keys.requests)
+    sync_redis.delete(keys.requests(MODEL))
     results: dict[int, httpx.Response] = {}
 
     def ask(i: int) -> None:
@@ -247,11 +248,10 @@ def test_a_malformed_result_entry_ends_only_its_request(
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    victim, bystander = sorted(queued_requests(sync_redis, keys, 2),
+    victim, bystander = sorted(queued_requests(sync_redis, keys.requests(MODEL), 2),
                                key=lambda r: r.prompt_ids[-1])
-    sync_redis.xadd(keys.out(victim.id), bad)
-    sync_redis.xadd(keys.out(bystander.id), Tokens(0, (31, 32)).to_fields())
-    sync_redis.xadd(keys.out(bystander.id), Finish("length", 3, 2).to_fields())
+    publish(sync_redis, keys, victim.id, bad)
+    publish(sync_redis, keys, bystander.id, Tokens(0, (31, 32)), Finish("length", 3, 2))
     for t in threads:
         t.join(30)
     error = results[0].json()["error"]
@@ -281,26 +281,27 @@ def test_oversized_headers_get_431_and_trace_ids_are_bounded(
     huge = httpx.get(f"{scripted.base_url}/health", headers={"X-Junk": "j" * 70_000})
     assert huge.status_code == 431 and huge.json()["error"]["code"] == "headers_too_large"
     keys = Keys(scripted.prefix)
-    sync_redis.delete(keys.requests)
+    sync_redis.delete(keys.requests(MODEL))
     for trace in ("t" * 10_000, "ok-trace.1"):
         with pytest.raises(httpx.ReadTimeout):  # no worker: it only waits in the queue
             httpx.post(f"{scripted.base_url}{TEXT}", json=text(), timeout=0.5,
                        headers={"X-Trace-Id": trace})
     # A trace id travels with each choice's queue entry only when it looks like one.
-    assert [r.trace_id for r in queued_requests(sync_redis, keys, 2)] == ["", "ok-trace.1"]
+    queued = queued_requests(sync_redis, keys.requests(MODEL), 2)
+    assert [r.trace_id for r in queued] == ["", "ok-trace.1"]
 
 
 def test_a_token_entry_published_twice_shows_once(scripted: Stack, sync_redis: Any) -> None:
     keys = Keys(scripted.prefix)
-    sync_redis.delete(keys.requests)
+    sync_redis.delete(keys.requests(MODEL))
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         f"{scripted.base_url}{TEXT}", json=text(prompt=[5, 6]), timeout=30)))
     thread.start()
-    [request] = queued_requests(sync_redis, keys, 1)
-    for entry in (Tokens(0, (31, 32)), Tokens(0, (31, 32)), Tokens(1, (32, 33)),
-                  Finish("length", 2, 3)):  # a retried publish repeats entries
-        sync_redis.xadd(keys.out(request.id), entry.to_fields())
+    [request] = queued_requests(sync_redis, keys.requests(MODEL), 1)
+    # A retried publish repeats entries.
+    publish(sync_redis, keys, request.id, Tokens(0, (31, 32)), Tokens(0, (31, 32)),
+            Tokens(1, (32, 33)), Finish("length", 2, 3))
     thread.join(30)
     reply = result["r"].json()
     assert reply["choices"][0]["text"] == _decode([31, 32, 33]), reply
@@ -321,29 +322,32 @@ class _FailsOnce(ResultReader):
 
     failed = False
 
-    def _route(self, key: str, entries: StreamEntries) -> None:
-        if not self.failed and key != self.wake_key:
+    def _route_feed(self, fields: Mapping[bytes, bytes]) -> None:
+        if not self.failed:
             self.failed = True
             raise RuntimeError("unforeseen")
-        super()._route(key, entries)
+        super()._route_feed(fields)
 
 
 async def test_the_reader_restarts_after_a_failure_and_loses_nothing(redis_url: str) -> None:
     clients = connect(redis_url, name="reader-test")
     keys = Keys("rstest-reader")
     reader = _FailsOnce(clients, keys, "feedbeef", buffer=64, slow_after_s=30)
+    sync = redis.Redis.from_url(redis_url)
     await reader.start(60)
     try:
         sub = reader.open("feedbeef-1")
-        await clients.commands.xadd(keys.out("feedbeef-1"), Tokens(0, (1, 2)).to_fields())
-        await clients.commands.xadd(keys.out("feedbeef-1"), Finish("length", 1, 2).to_fields())
-        await clients.commands.xadd(reader.wake_key, {"w": "1"})
+        # The first feed entry makes it fail; restarted, the request catches up from its
+        # stream: nothing is lost.
+        await asyncio.to_thread(publish, sync, keys, "feedbeef-1", Tokens(0, (1, 2)),
+                                Finish("length", 1, 2))
         first = await asyncio.wait_for(sub.queue.get(), 10)
         second = await asyncio.wait_for(sub.queue.get(), 10)
         assert first == Tokens(0, (1, 2)) and isinstance(second, Finish)
         assert reader.restarts == 1 and reader.alive
     finally:
         await reader.stop()
-        await clients.commands.delete(keys.out("feedbeef-1"), reader.wake_key)
+        await clients.commands.delete(keys.out("feedbeef-1"), reader.feed_key)
+        sync.close()
         await clients.close()
         assert eventually(lambda: True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -70,11 +71,17 @@ def test_500_mixed_requests_leave_nothing_behind(
         "REDSERVE_MAX_RUNNING": "8",
         "REDSERVE_MAX_QUEUED_REQUESTS": "12",
         "REDSERVE_QUEUE_TIMEOUT_S": "5",
-        "REDSERVE_REQUEST_TTL_S": "45",
+        "REDSERVE_REQUEST_TTL_S": "45", "REDSERVE_REQUEST_TIMEOUT_S": "40",
         "REDSERVE_FINISHED_TTL_S": "30",
         "REDSERVE_METRICS_PORT": worker_metrics.split(":")[2].split("/")[0],
     }).start()
     keys = Keys(stack.prefix)
+    stream = keys.requests(MODEL)
+    # Finished entries leave the request stream: note every one as it is added.
+    accepted: set[str] = set()
+    sniffing = threading.Event()
+    sniffer = threading.Thread(target=_sniff, args=(redis_url, stream, accepted, sniffing))
+    sniffer.start()
     try:
         async def run_all() -> Counter[str]:
             rng = random.Random(0)
@@ -90,6 +97,8 @@ def test_500_mixed_requests_leave_nothing_behind(
             return Counter(steady + burst)
 
         outcomes = asyncio.run(run_all())
+        sniffing.set()
+        sniffer.join()
         print(sorted(outcomes.items()))  # shown with -s
         assert sum(outcomes.values()) == 500
         for expected in ("stream:done", "whole:200", "stream_cancel:cancelled",
@@ -113,9 +122,10 @@ def test_500_mixed_requests_leave_nothing_behind(
         assert worker["redserve_worker_kv_pages_used"] == 0
         assert worker["redserve_worker_step_failures_total"] > 0
 
-        # Every accepted request ended with exactly one terminal entry.
-        accepted = {f[b"id"].decode() for _, f in sync_redis.xrange(keys.requests)}
+        # Every accepted request ended with exactly one terminal entry, and the request stream
+        # holds none of them any more.
         assert len(accepted) > 100
+        assert eventually(lambda: sync_redis.xlen(stream) == 0, 10)
         assert eventually(lambda: all(
             sync_redis.hget(keys.state(rid), "state") in (b"done", b"aborted", b"error")
             for rid in accepted), 10)
@@ -127,17 +137,31 @@ def test_500_mixed_requests_leave_nothing_behind(
             assert kinds and kinds.count(b"finish") + kinds.count(b"error") == 1, rid
             assert kinds[-1] in (b"finish", b"error"), rid
 
-        # Every key carries a TTL, except the shared, trimmed request stream and the worker's
-        # heartbeat and registry entry (refreshed while it lives).
-        worker_keys = (keys.worker("").encode(), keys.workers("").encode())
+        # Every key carries a TTL; those of the model, the worker and the replica's feed are
+        # refreshed while they live.
+        refreshed = (keys.worker("").encode(), keys.workers(MODEL).encode(), stream.encode(),
+                     keys.queued(MODEL).encode(), keys.aborts.encode())
 
         def request_keys() -> list[bytes]:
             return [k for k in sync_redis.scan_iter(match=f"{stack.prefix}:*", count=1000)
-                    if k != keys.requests.encode() and not k.startswith(worker_keys)]
+                    if not k.startswith(refreshed) and not k.endswith(b":feed")]
 
-        for key in request_keys():
-            assert sync_redis.ttl(key) > 0, key
+        everything = list(sync_redis.scan_iter(match=f"{stack.prefix}:*", count=1000))
+        for key in everything:
+            assert sync_redis.ttl(key) != -1, key  # -1: no TTL (-2: expired meanwhile)
         # And after the TTLs nothing of theirs remains.
         assert eventually(lambda: not request_keys(), 60), request_keys()[:5]
     finally:
+        sniffing.set()
         stack.stop()
+
+
+def _sniff(url: str, stream: str, ids: set[str], stop: threading.Event) -> None:
+    r = redis.Redis.from_url(url)
+    last: bytes | str = "$"
+    while not stop.is_set():
+        for _, entries in r.xread({stream: last}, block=200) or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                ids.add(fields[b"id"].decode())
+    r.close()

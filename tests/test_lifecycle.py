@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from ops.embedded_redis import free_port
-from shared.keys import Keys
+from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Finish, Tokens
-from tests.stack import Stack, eventually, queued_requests
+from tests.stack import Stack, eventually, publish, queued_requests
 
 MODEL = "tiny-llama"
 LONG = {"model": MODEL, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
@@ -56,7 +56,7 @@ def scripted(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
 @pytest.fixture
 def empty_queue(scripted: Stack, sync_redis: redis.Redis) -> Keys:
     keys = Keys(scripted.prefix)
-    sync_redis.delete(keys.requests, keys.queued(MODEL))
+    sync_redis.delete(keys.requests(MODEL), keys.queued(MODEL))
     return keys
 
 
@@ -66,10 +66,11 @@ def test_non_streaming_client_that_hangs_up_stops_the_work(
     tiny_stack: Stack, sync_redis: redis.Redis
 ) -> None:
     keys = Keys(tiny_stack.prefix)
-    before = {entry_id for entry_id, _ in sync_redis.xrange(keys.requests)}
+    before = {entry_id for entry_id, _ in sync_redis.xrange(keys.requests(MODEL))}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{tiny_stack.base_url}/v1/completions", json=LONG, timeout=0.3)
-    [fields] = [f for entry_id, f in sync_redis.xrange(keys.requests) if entry_id not in before]
+    stream = keys.requests(MODEL)
+    [fields] = [f for entry_id, f in sync_redis.xrange(stream) if entry_id not in before]
     request_id = fields[b"id"].decode()
     assert eventually(lambda: _ended(sync_redis, keys, request_id))
     state = _state(sync_redis, keys, request_id)
@@ -92,7 +93,7 @@ def test_cancelled_before_any_worker_took_it_is_never_prefilled(
 
     thread = threading.Thread(target=client)
     thread.start()
-    [request] = queued_requests(sync_redis, keys, 1)
+    [request] = queued_requests(sync_redis, keys.requests(MODEL), 1)
     assert httpx.post(f"{scripted.base_url}/v1/requests/{request.id}/cancel").json()["cancelled"]
     thread.join(10)
     # The client was answered at once and its queue slot freed.
@@ -124,12 +125,12 @@ def test_full_queue_answers_429_before_enqueueing(
                                 kwargs={"json": body, "timeout": 10}) for _ in range(3)]
     for t in threads:
         t.start()
-    queued_requests(sync_redis, empty_queue, 3)
+    queued_requests(sync_redis, empty_queue.requests(MODEL), 3)
     refused = httpx.post(f"{scripted.base_url}/v1/completions", json=body)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "queue_full"
-    assert sync_redis.xlen(empty_queue.requests) == 3  # the refused one never got in
+    assert sync_redis.xlen(empty_queue.requests(MODEL)) == 3  # the refused one never got in
     for t in threads:
         t.join(10)
 
@@ -143,7 +144,7 @@ def test_request_no_worker_takes_ends_with_queue_timeout(
     assert 0.9 < time.monotonic() - t0 < 3
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
-    [request] = queued_requests(sync_redis, empty_queue, 1)
+    [request] = queued_requests(sync_redis, empty_queue.requests(MODEL), 1)
     assert sync_redis.exists(empty_queue.abort(request.id))
     assert sync_redis.zcard(empty_queue.queued(MODEL)) == 0
 
@@ -152,7 +153,7 @@ def test_request_whose_worker_goes_silent_ends_with_timeout(
     scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
 ) -> None:
     def take_and_go_silent() -> None:
-        [request] = queued_requests(sync_redis, empty_queue, 1)
+        [request] = queued_requests(sync_redis, empty_queue.requests(MODEL), 1)
         sync_redis.hset(empty_queue.state(request.id), "state", "running")
 
     thread = threading.Thread(target=take_and_go_silent)
@@ -190,13 +191,10 @@ def _fall_behind(scripted: Stack, keys: Keys, sync_redis: redis.Redis) -> None:
             "POST", f"{scripted.base_url}/v1/completions", json=body) as response:
         request_id = response.headers["x-request-id"]
         # About 30 MB of SSE: far more than the server's send buffer holds.
-        pipe = sync_redis.pipeline()
-        for i in range(6000):
-            pipe.xadd(keys.out(request_id),
-                      Tokens(i * 64, (46778,) * 64).to_fields())  # type: ignore[arg-type]
-        pipe.xadd(keys.out(request_id), Finish("length", 1, 6000 * 64).to_fields())  # type: ignore[arg-type]
-        pipe.expire(keys.out(request_id), 60)
-        pipe.execute()
+        publish(sync_redis, keys, request_id,
+                *(Tokens(i * 64, (46778,) * 64) for i in range(6000)),
+                Finish("length", 1, 6000 * 64))
+        sync_redis.expire(keys.out(request_id), 60)
         # Read nothing: fall behind until the replica gives up on this client. (What the
         # kernel buffers already hold would take long to read through this tiny window; the
         # SSE error event itself is checked with the injected worker fault below.)
@@ -258,7 +256,7 @@ def test_sigterm_drains_the_api_replica(
                           json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}
                           ) as response:
             request_id = response.headers["x-request-id"]
-            sync_redis.xadd(keys.out(request_id), Tokens(0, (42,)).to_fields())  # type: ignore[arg-type]
+            publish(sync_redis, keys, request_id, Tokens(0, (42,)))
             events = _sse(response)
             first = next(events)
             stack.api_proc.send_signal(signal.SIGTERM)
@@ -267,7 +265,7 @@ def test_sigterm_drains_the_api_replica(
                                  json={"model": MODEL, "prompt": "x"})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
             if finishes_in_grace:
-                sync_redis.xadd(keys.out(request_id), Finish("length", 1, 2).to_fields())  # type: ignore[arg-type]
+                publish(sync_redis, keys, request_id, Finish("length", 1, 2))
             rest = list(events)
         assert first["choices"][0]["text"]
         if finishes_in_grace:
@@ -297,23 +295,35 @@ def test_sigterm_lets_the_worker_finish_running_and_hand_back_the_rest(
         replies[i] = httpx.post(f"{stack.base_url}/v1/completions", json=bodies[i], timeout=60)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    keys = Keys(stack.prefix)
+    stream = keys.requests(MODEL)
     try:
-        for t in threads:
+        # Both are the worker's before it is told to stop: the first takes its pages first
+        # (the worker admits in arrival order), so the second waits inside the worker.
+        for i, t in enumerate(threads, start=1):
             t.start()
-            time.sleep(0.3)
+            assert eventually(
+                lambda n=i: sync_redis.xpending(stream, WORKER_GROUP)["pending"] == n, 30)
+        [(waiting_entry, waiting)] = [
+            (entry_id, f[b"id"]) for entry_id, f in sync_redis.xrange(stream)
+            if orjson.loads(f[b"body"])["params"]["max_tokens"] == 200]
         assert httpx.get(f"{stack.base_url}/ready").status_code == 200
         stack.worker_proc().send_signal(signal.SIGTERM)
         # A draining worker no longer makes the replica ready.
         assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 503, 5)
         assert stack.worker_proc().wait(30) == 0
-        # The waiting request went back on the stream, under the same id.
-        ids = [f[b"id"] for _, f in sync_redis.xrange(Keys(stack.prefix).requests)]
-        assert len(ids) == 3 and ids[2] in ids[:2]
+        # The finished request's entry is gone; the waiting one's stays, handed back: idle past
+        # the reclaim threshold, so the next worker claims it at once.
+        assert [entry_id for entry_id, _ in sync_redis.xrange(stream)] == [waiting_entry]
+        [pending] = sync_redis.xpending_range(stream, WORKER_GROUP, "-", "+", 10)
+        assert pending["message_id"] == waiting_entry and pending["time_since_delivered"] >= 4000
+        assert sync_redis.hget(keys.state(waiting.decode()), "state") == b"queued"
         # The handed-back request is served by the next worker to come.
         stack._spawn("worker")
         for t in threads:
             t.join(60)
         assert [replies[i].status_code for i in range(2)] == [200, 200]
         assert [replies[i].json()["usage"]["completion_tokens"] for i in range(2)] == [250, 200]
+        assert eventually(lambda: sync_redis.xlen(stream) == 0)
     finally:
         stack.stop()

@@ -3,6 +3,7 @@ plus raw-HTTP checks of the SSE framing."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
@@ -162,16 +163,27 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI, tokenizer) -> None:  #
 
 
 def test_sampling_fields_reach_the_worker(
-    client: openai.OpenAI, tiny_stack: Stack, sync_redis: redis.Redis
+    client: openai.OpenAI, tiny_stack: Stack, redis_url: str
 ) -> None:
+    # A finished request's entry is deleted from the stream: catch it as it is added, with a
+    # blocking read already waiting on the stream.
+    stream = Keys(tiny_stack.prefix).requests(MODEL)
+    sniffer = redis.Redis.from_url(redis_url, client_name="sniffer")
+    seen: list[tuple[bytes, dict[bytes, bytes]]] = []
+    reader = threading.Thread(target=lambda: seen.extend(
+        e for _, entries in sniffer.xread({stream: "$"}, block=20_000) for e in entries))
+    reader.start()
+    assert eventually(lambda: any(c["name"] == "sniffer" and c["cmd"] == "xread"
+                                  for c in sniffer.client_list()))
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="x", max_tokens=3, temperature=0.7, top_p=0.9, seed=11,
         presence_penalty=0.5, frequency_penalty=0.25, user="u1",
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True},
     )
+    reader.join(20)
+    sniffer.close()
     request_id = raw.headers["x-request-id"]
-    entries = sync_redis.xrange(Keys(tiny_stack.prefix).requests)
-    [sent] = [GenerateRequest.from_fields(f) for _, f in entries if f[b"id"] == request_id.encode()]
+    [sent] = [GenerateRequest.from_fields(f) for _, f in seen if f[b"id"] == request_id.encode()]
     p = sent.params
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.7, 0.9, 20, 0.05, 11)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.2)

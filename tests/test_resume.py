@@ -160,3 +160,37 @@ def test_with_a_resume_grace_a_dropped_client_resumes_and_an_absent_one_cancels(
         assert scrape(f"{stack.url(0)}/metrics")["redserve_api_inflight_requests"] == 0
     finally:
         stack.stop()
+
+
+def test_a_resume_keeps_the_queue_deadline_and_a_drain_waits_for_it(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    # No worker: the request stays queued. Its client leaves (the grace keeps it alive) and
+    # resumes on the other replica, which ends it at the queue deadline like the first would.
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, workers=0, env={
+        **KEYS, "REDSERVE_RESUME_GRACE_S": "30", "REDSERVE_QUEUE_TIMEOUT_S": "3",
+        "REDSERVE_DRAIN_GRACE_S": "20"}).start()
+    try:
+        with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,
+                          timeout=30) as response:
+            request_id = response.headers["x-request-id"]
+        resumed = _resume(stack.url(1), request_id, 0)
+        assert orjson.loads(resumed[-2][1])["error"]["code"] == "queue_timeout"
+        assert repr(MODEL) in orjson.loads(resumed[-2][1])["error"]["message"]
+        assert sync_redis.exists(Keys(stack.prefix).abort(request_id))  # told any late worker
+
+        # A replica told to stop while a resumed stream is open drains it before it exits.
+        with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=_body(), headers=AUTH,
+                          timeout=30) as response:
+            second = response.headers["x-request-id"]
+        with httpx.stream("GET", f"{stack.url(1)}/v1/requests/{second}/stream", timeout=60,
+                          headers={**AUTH, "Last-Event-ID": "0"}) as response:
+            assert eventually(lambda: scrape(f"{stack.url(1)}/metrics")[
+                "redserve_api_inflight_requests"] == 1)
+            stack.replica_proc(1).send_signal(signal.SIGTERM)
+            events = list(_events(response.iter_lines()))
+        # It ran to its own end (the queue deadline), not cut short by the shutdown.
+        assert orjson.loads(events[-2][1])["error"]["code"] == "queue_timeout"
+        assert stack.replica_proc(1).wait(30) == 0
+    finally:
+        stack.stop()

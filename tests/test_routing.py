@@ -18,7 +18,9 @@ from transformers import AutoTokenizer
 
 from shared.keys import Keys, replica_of
 from shared.messages import Finish, Tokens
-from tests.stack import Stack, eventually, queued_requests
+from tests.stack import Stack, eventually, publish, queued_requests
+
+MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,8 @@ async def test_interleaved_results_reach_only_their_own_request(
     async with httpx.AsyncClient(base_url=api_only.base_url, timeout=30) as client:
         task_a = asyncio.create_task(_stream_text(client, "request A"))
         task_b = asyncio.create_task(_stream_text(client, "request B"))
-        queued = await asyncio.to_thread(queued_requests, sync_redis, keys, 2)
+        queued = await asyncio.to_thread(queued_requests, sync_redis,
+                                         keys.requests(MODEL), 2)
         by_prompt = {tokenizer.decode(q.prompt_ids): q for q in queued}
         req_a = next(q for p, q in by_prompt.items() if "request A" in p)
         req_b = next(q for p, q in by_prompt.items() if "request B" in p)
@@ -72,11 +75,10 @@ async def test_interleaved_results_reach_only_their_own_request(
         order = [(req_a, Tokens(0, (a_ids[0],))), (req_b, Tokens(0, (b_ids[0],))),
                  (req_b, Tokens(1, (b_ids[1],))), (req_a, Tokens(1, (a_ids[1],)))]
         for req, entry in order:
-            sync_redis.xadd(keys.out(req.id), entry.to_fields())  # type: ignore[arg-type]
+            publish(sync_redis, keys, req.id, entry)
             await asyncio.sleep(0.05)
         for req in (req_a, req_b):
-            finish = Finish("length", len(req.prompt_ids), 2)
-            sync_redis.xadd(keys.out(req.id), finish.to_fields())  # type: ignore[arg-type]
+            publish(sync_redis, keys, req.id, Finish("length", len(req.prompt_ids), 2))
             sync_redis.expire(keys.out(req.id), 60)
 
         (text_a, chunks_a), (text_b, chunks_b) = await asyncio.gather(task_a, task_b)
@@ -96,12 +98,12 @@ async def test_client_that_leaves_early_sets_the_abort_key(
     api_only: Stack, sync_redis: redis.Redis
 ) -> None:
     keys = Keys(api_only.prefix)
-    sync_redis.delete(keys.requests)
+    sync_redis.delete(keys.requests(MODEL))
     body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "stream": True}
     async with httpx.AsyncClient(base_url=api_only.base_url, timeout=30) as client:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             request_id = response.headers["x-request-id"]
-            sync_redis.xadd(keys.out(request_id), Tokens(0, (42,)).to_fields())  # type: ignore[arg-type]
+            publish(sync_redis, keys, request_id, Tokens(0, (42,)))
             sync_redis.expire(keys.out(request_id), 60)
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
@@ -110,11 +112,11 @@ async def test_client_that_leaves_early_sets_the_abort_key(
     assert await asyncio.to_thread(eventually, lambda: sync_redis.exists(abort_key))
     assert 0 < sync_redis.ttl(abort_key) <= 3600
     # Tokens a worker publishes after the abort reach no one and create no state here.
-    sync_redis.xadd(keys.out(request_id), Tokens(1, (43,)).to_fields())  # type: ignore[arg-type]
+    publish(sync_redis, keys, request_id, Tokens(1, (43,)))
     await asyncio.sleep(0.3)
     metrics = await asyncio.to_thread(api_only.metrics, f"{api_only.base_url}/metrics")
     assert metrics["redserve_api_inflight_requests"] == 0
     assert metrics["redserve_api_result_queues"] == 0
     assert metrics["redserve_api_buffered_results"] == 0
-    [queued] = queued_requests(sync_redis, keys, 1)
+    [queued] = queued_requests(sync_redis, keys.requests(MODEL), 1)
     assert queued.id == request_id

@@ -6,8 +6,10 @@ reorders the weight again on every call, which at decode batch sizes costs more 
 multiply. Prepacking once, as torch.compile's freezing pass does, took the default model's
 576x3072 bf16 projection from 368 to 217 us at batch 1 and from 710 to 441 us at batch 32 on an
 EPYC with avx512_bf16, with bit-identical results; fp32 gained as much at batch 32. Where oneDNN
-cannot run the dtype (fp16 on most CPUs) or on CUDA, the weight is kept as a contiguous [in,
-out] matrix (about 10% faster than [out, in] in a plain CPU GEMM) or as cuBLAS expects it.
+cannot run the dtype (bf16 on a CPU without AVX512, fp16 on most CPUs) or on CUDA, the layer is
+what the checkpoint's own module computes, F.linear over the [out, in] weight: any other GEMM
+layout rounds bf16 differently (seen on an AVX2 EPYC), and a request alone must decode exactly
+what transformers does.
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().clone() if bias is not None else None
-        self.mode = ("packed" if can_prepack(weight.dtype, weight.device)
-                     else "cuda" if weight.device.type == "cuda" else "plain")
+        self.mode = "packed" if can_prepack(weight.dtype, weight.device) else "plain"
         w = weight.detach()
         if self.mode == "packed":
             try:
@@ -45,17 +46,12 @@ class Linear:
                 return
             except RuntimeError:  # a oneDNN build without this layout: run it plainly
                 self.mode = "plain"
-        if self.mode == "cuda":
-            self.weight = w.contiguous().clone()
-        else:
-            self.weight = w.t().contiguous()
+        self.weight = w.contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.mode == "cuda":
-            return F.linear(x, self.weight, self.bias)
-        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]

@@ -1,20 +1,46 @@
-"""The worker's Redis writes and abort reads.
+"""The worker's Redis writes: everything a step produces goes out in one pipeline, and no
+terminal entry is ever lost.
 
-Everything a step produces (tokens, terminal entries, state changes, XACKs) is staged, then
-`flush` sends it in one pipeline; `aborted` reads every running request's abort key in one
-more (see `worker.service` for when each runs).
+Staged per step, sent by `flush`:
+- each request's new tokens (one XADD each; the first also sets its stream's TTL);
+- ended requests: one entry carrying the last tokens and the finish (or an error), and the
+  short TTL of a finished request on its stream and hash;
+- requests admitted (their state);
+- then, per API replica, one feed entry with all of the above for its requests (see
+  shared/keys.py): its reader reads the whole step in one command;
+- at most every `BATCH_S` (at once when idle): one XACK and one XDEL of every entry ended
+  since, so the request stream holds only unfinished work, and one ZREM freeing the queue
+  places of the requests taken since. An entry whose terminal entry is written is safe to
+  acknowledge late: a worker that claims it finds the terminal entry and only acknowledges it;
+- requests handed back on drain.
+About one command per generated token: that is the budget (see ops/bench_redis.py).
+
+A flush that fails (Redis went away) keeps what must not be lost: the terminal entries, acks,
+queue releases and hand-backs go to an outbox that every later flush retries first, until it
+is written or the request's keys would have expired anyway. A retried terminal entry is added
+only if its stream does not end with one already (a pipeline may have been applied in part),
+so every result stream still ends with exactly one. A request's pending entry stays in
+`entry_ids`, and is kept fresh by the heartbeat, until its terminal entry is written; from
+then on nothing refreshes it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
+import orjson
 import redis.asyncio as aioredis
 
-from shared.keys import WORKER_GROUP, Keys
-from shared.messages import Error, Finish, GenerateRequest, RequestState, Tokens
+from shared.keys import WORKER_GROUP, Keys, replica_of
+from shared.messages import Error, Finish, GenerateRequest, RequestState, Tokens, feed_fields
 from shared.settings import Settings
 from worker.engine import StepOutput
+
+BATCH_S = 0.5
+# Feed entries kept per replica: its reader reads every step, so this is minutes of slack.
+FEED_MAXLEN = 1000
 
 _FINAL_STATE = {
     "stop": RequestState.DONE,
@@ -22,107 +48,261 @@ _FINAL_STATE = {
     "abort": RequestState.ABORTED,
 }
 
+# KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON).
+_TERMINAL_ONCE = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+local ended = false
+if last then
+  local f = last[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'kind' and (f[i + 1] == 'finish' or f[i + 1] == 'error') then ended = true end
+  end
+end
+if not ended then
+  local args = {}
+  for k, v in pairs(cjson.decode(ARGV[2])) do table.insert(args, k); table.insert(args, v) end
+  redis.call('XADD', KEYS[1], '*', unpack(args))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+local state = {}
+for k, v in pairs(cjson.decode(ARGV[3])) do table.insert(state, k); table.insert(state, v) end
+redis.call('HSET', KEYS[2], unpack(state))
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return ended and 0 or 1
+"""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A request's terminal entry, until Redis has it."""
+
+    request_id: str
+    fields: dict[str, str]
+    state: dict[str, str]
+    expires: float  # unix time past which its keys are gone anyway: stop retrying
+
+
+@dataclass
+class Staged:
+    tokens: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
+    endings: list[Ending] = field(default_factory=list)
+    acks: list[str] = field(default_factory=list)  # request-stream entry ids
+    taken: list[str] = field(default_factory=list)  # queued-set members
+    hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
+
+    def __bool__(self) -> bool:
+        return any((self.tokens, self.running, self.endings, self.acks, self.taken,
+                    self.hand_backs))
+
+    def keep_for_retry(self, outbox: Staged) -> None:
+        """What a failed flush must not lose; token entries and states are dropped (their
+        requests end with an error, see WorkerService)."""
+        outbox.endings += self.endings
+        outbox.acks += self.acks
+        outbox.taken += self.taken
+        outbox.hand_backs += self.hand_backs
+
 
 class Publisher:
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        settings: Settings,
-        on_end: Callable[[str], None] = lambda outcome: None,
-    ) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, settings: Settings,
+                 name: str, on_end: Callable[[str], None] = lambda outcome: None) -> None:
         self.redis = redis
-        self.on_end = on_end
         self.keys = keys
         self.settings = settings
-        # request id -> its entry id in the request stream, XACKed once the request ends.
+        self.name = name
+        self.on_end = on_end
+        self.requests_key = keys.requests(model)
+        self.queued_key = keys.queued(model)
+        # request id -> its pending entry in the request stream, until its terminal entry is
+        # written (the heartbeat keeps these fresh).
         self.entry_ids: dict[str, str] = {}
+        self._expires: dict[str, float] = {}
         # Requests whose result stream exists already (and so carries its TTL).
         self._streams: set[str] = set()
-        self._pipe = redis.pipeline(transaction=False)
+        self._staged = Staged()
+        self._outbox = Staged()
+        self._batch = Staged()  # acks and queue releases, sent every BATCH_S
+        self._batch_sent = 0.0
+        self._terminal_once = redis.register_script(_TERMINAL_ONCE)
+
+    @property
+    def backlog(self) -> int:
+        """Terminal entries waiting for Redis."""
+        return len(self._outbox.endings)
 
     def take(self, request: GenerateRequest, entry_id: str) -> None:
-        """A request read from the stream: remember its entry, free its queue slot."""
+        """A request read from the stream: remember its entry, free its queue place."""
         self.entry_ids[request.id] = entry_id
-        self._pipe.zrem(self.keys.queued(request.model), request.queue_member)
+        self._expires[request.id] = request.created + self.settings.request_ttl_s
+        self._batch.taken.append(request.queue_member)
 
     def stage_ack(self, request_id: str) -> None:
         """Acknowledge a request that already ended elsewhere (its terminal entry exists)."""
-        entry_id = self.entry_ids.pop(request_id)
-        self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
+        self._expires.pop(request_id, None)
+        self._batch.acks.append(self.entry_ids.pop(request_id))
 
-    def stage_hand_back(self, request: GenerateRequest) -> None:
-        """Return a request no step has touched to the stream, for another worker."""
-        entry_id = self.entry_ids.pop(request.id)
-        self._pipe.xadd(self.keys.requests, request.to_fields(),  # type: ignore[arg-type]
-                        maxlen=self.settings.request_stream_maxlen, approximate=True)
-        self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
-        self._pipe.hset(self.keys.state(request.id), "state", RequestState.QUEUED)
+    def stage_hand_back(self, request_id: str) -> None:
+        """Give a request back for another worker to claim at once: its pending entry is
+        marked idle past the reclaim threshold. Unlike a re-added copy this is safe to
+        repeat, and a request that already published tokens resumes from them."""
+        self._expires.pop(request_id, None)
+        self._staged.hand_backs.append((request_id, self.entry_ids.pop(request_id)))
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
             if out.error is not None:
                 self.stage_error(out.request_id, Error(
                     f"sampling failed: {out.error}", "invalid_request_error", "sampling_failed"))
+                continue
+            tokens = None
             if out.token is not None:
                 logprobs = (out.logprob,) if out.logprob is not None else None
-                self._xadd(out.request_id, Tokens(out.index, (out.token,), logprobs).to_fields())
-            if out.finish is not None:
-                finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens,
-                                out.cached_tokens)
-                self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
-                          {"completion_tokens": str(out.completion_tokens)})
+                tokens = Tokens(out.index, (out.token,), logprobs)
+            if out.finish is None:
+                if tokens is not None:
+                    self._xadd(out.request_id, tokens.to_fields())
+                continue
+            finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens,
+                            out.cached_tokens, tokens)
+            self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
+                      {"completion_tokens": str(out.completion_tokens),
+                       "finish_reason": out.finish})
 
     def stage_error(self, request_id: str, error: Error) -> None:
         self._end(request_id, error.to_fields(), RequestState.ERROR, {})
 
-    def stage_running(self, request_id: str, worker: str) -> None:
-        state_key = self.keys.state(request_id)
-        self._pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
-        self._pipe.expire(state_key, self.settings.request_ttl_s)
+    def stage_running(self, request_id: str) -> None:
+        self._staged.running.append((request_id, self.name))
 
-    def discard_staged(self) -> None:
-        """Forget what a failed pipeline held (Redis went away)."""
-        self._pipe = self.redis.pipeline(transaction=False)
+    def lost_streams(self) -> None:
+        """Redis may have lost keys (a restart): set the TTL again on each stream's next
+        entry."""
         self._streams.clear()
 
-    async def flush(self) -> None:
-        """Send what is staged, in one pipeline."""
-        pipe, self._pipe = self._pipe, self.redis.pipeline(transaction=False)
-        if len(pipe):
-            await pipe.execute()
+    async def flush(self, *, batch_now: bool = False) -> None:
+        """Retry the outbox, then send what is staged, in one pipeline (with the batch of
+        acks when due, or with `batch_now`). On a Redis error what must not be lost is kept
+        for the next flush, and the error is raised."""
+        staged, self._staged = self._staged, Staged()
+        now = time.monotonic()
+        if batch_now or now - self._batch_sent >= BATCH_S:
+            staged.acks += self._batch.acks
+            staged.taken += self._batch.taken
+            self._batch, self._batch_sent = Staged(), now
+        if self._outbox:
+            try:
+                await self._retry_outbox()
+            except aioredis.RedisError:
+                staged.keep_for_retry(self._outbox)
+                self.lost_streams()
+                raise
+        if not staged:
+            return
+        try:
+            await self._send(staged)
+        except aioredis.RedisError:
+            staged.keep_for_retry(self._outbox)
+            self.lost_streams()
+            raise
+        self._written(staged.endings)
+        if batch_now and self._batch:  # what those endings freed, now rather than later
+            await self.flush(batch_now=True)
 
-    async def aborted(self, request_ids: Iterable[str]) -> set[str]:
-        """Which of these requests have their abort key set (one pipeline)."""
-        watched = list(request_ids)
-        if not watched:
-            return set()
+    async def _send(self, staged: Staged) -> None:
+        ttl = self.settings.request_ttl_s
         pipe = self.redis.pipeline(transaction=False)
-        for request_id in watched:
-            pipe.exists(self.keys.abort(request_id))
-        flags = await pipe.execute()
-        return {rid for rid, flag in zip(watched, flags, strict=True) if flag}
+        for member_batch in _chunks(staged.taken):
+            pipe.zrem(self.queued_key, *member_batch)
+        for request_id, worker in staged.running:
+            state_key = self.keys.state(request_id)
+            pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
+            pipe.expire(state_key, ttl)
+        for request_id, fields in staged.tokens:
+            out_key = self.keys.out(request_id)
+            pipe.xadd(out_key, fields)  # type: ignore[arg-type]
+            if request_id not in self._streams:
+                self._streams.add(request_id)
+                pipe.expire(out_key, ttl)
+        finished_ttl = self.settings.finished_ttl_s
+        for ending in staged.endings:
+            self._streams.discard(ending.request_id)
+            out_key = self.keys.out(ending.request_id)
+            state_key = self.keys.state(ending.request_id)
+            pipe.xadd(out_key, ending.fields)  # type: ignore[arg-type]
+            pipe.expire(out_key, finished_ttl)
+            pipe.hset(state_key, mapping=ending.state)  # type: ignore[arg-type]
+            pipe.expire(state_key, finished_ttl)
+        self._stage_feeds(pipe, [*staged.tokens, *((e.request_id, e.fields)
+                                                  for e in staged.endings)])
+        self._stage_acks(pipe, staged)
+        await pipe.execute()
+
+    def _stage_feeds(self, pipe: aioredis.client.Pipeline,
+                     entries: list[tuple[str, dict[str, str]]]) -> None:
+        """After the result streams' entries: one feed entry per replica (a second one only
+        for a request with two entries in this batch). NOMKSTREAM: a replica that is gone
+        has no feed, and none is made for it."""
+        feeds: dict[str, list[dict[str, dict[str, str]]]] = {}
+        for request_id, fields in entries:
+            batches = feeds.setdefault(replica_of(request_id), [{}])
+            if request_id in batches[-1]:
+                batches.append({})
+            batches[-1][request_id] = fields
+        for replica, batches in feeds.items():
+            for batch in batches:
+                pipe.xadd(self.keys.feed(replica), feed_fields(batch),  # type: ignore[arg-type]
+                          maxlen=FEED_MAXLEN, approximate=True, nomkstream=True)
+
+    def _stage_acks(self, pipe: aioredis.client.Pipeline, staged: Staged) -> None:
+        for batch in _chunks(staged.acks):
+            pipe.xack(self.requests_key, WORKER_GROUP, *batch)
+            pipe.xdel(self.requests_key, *batch)
+        reclaim_ms = 2 * self.settings.heartbeat_ttl_s * 1000
+        for request_id, entry_id in staged.hand_backs:
+            pipe.xclaim(self.requests_key, WORKER_GROUP, self.name, 0, [entry_id],
+                        idle=reclaim_ms + 1000, justid=True)
+            state_key = self.keys.state(request_id)
+            pipe.hset(state_key, "state", RequestState.QUEUED)
+            pipe.expire(state_key, self.settings.request_ttl_s)
+
+    async def _retry_outbox(self) -> None:
+        outbox, now = self._outbox, time.time()
+        expired = [e for e in outbox.endings if e.expires < now]
+        for ending in expired:  # its keys are gone by now: nothing left to end
+            self.entry_ids.pop(ending.request_id, None)
+        outbox.endings = [e for e in outbox.endings if e.expires >= now]
+        pipe = self.redis.pipeline(transaction=False)
+        for e in outbox.endings:
+            await self._terminal_once(
+                keys=[self.keys.out(e.request_id), self.keys.state(e.request_id)],
+                args=[self.settings.finished_ttl_s, orjson.dumps(e.fields),
+                      orjson.dumps(e.state)], client=pipe)
+        self._stage_feeds(pipe, [(e.request_id, e.fields) for e in outbox.endings])
+        self._stage_acks(pipe, outbox)
+        for member_batch in _chunks(outbox.taken):
+            pipe.zrem(self.queued_key, *member_batch)
+        await pipe.execute()
+        self._outbox = Staged()
+        self._written(outbox.endings)
+
+    def _written(self, endings: list[Ending]) -> None:
+        """Terminal entries now in Redis: their requests' stream entries are done."""
+        for ending in endings:
+            entry_id = self.entry_ids.pop(ending.request_id, None)
+            if entry_id is not None:
+                self._batch.acks.append(entry_id)
 
     def _xadd(self, request_id: str, fields: dict[str, str]) -> None:
-        out_key = self.keys.out(request_id)
-        self._pipe.xadd(out_key, fields)  # type: ignore[arg-type]
-        if request_id not in self._streams:
-            self._streams.add(request_id)
-            self._pipe.expire(out_key, self.settings.request_ttl_s)
+        self._staged.tokens.append((request_id, fields))
 
     def _end(self, request_id: str, fields: dict[str, str], state: str,
              extra: dict[str, str]) -> None:
         self.on_end(fields.get("finish_reason") or fields["code"])
-        self._xadd(request_id, fields)
-        self._streams.discard(request_id)
-        ttl = self.settings.finished_ttl_s
-        self._pipe.expire(self.keys.out(request_id), ttl)
-        mapping = {"state": state, **extra}
-        if "finish_reason" in fields:
-            mapping["finish_reason"] = fields["finish_reason"]
-        state_key = self.keys.state(request_id)
-        self._pipe.hset(state_key, mapping=mapping)  # type: ignore[arg-type]
-        self._pipe.expire(state_key, ttl)
-        entry_id = self.entry_ids.pop(request_id, None)
-        if entry_id is not None:
-            self._pipe.xack(self.keys.requests, WORKER_GROUP, entry_id)
+        expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
+        self._staged.endings.append(Ending(request_id, fields, {"state": state, **extra},
+                                           expires))
+
+
+def _chunks(items: list[str], size: int = 512) -> list[list[str]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]

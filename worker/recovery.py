@@ -1,14 +1,17 @@
 """Taking over the requests of a worker that died.
 
 A request stays pending in the consumer group from the moment a worker reads it until that
-worker XACKs it with its terminal entry. Live workers keep their pending entries fresh by
-re-claiming them to themselves (XCLAIM with JUSTID resets the idle time) every heartbeat, so
-an entry idle for longer than `reclaim_after_s` belongs to a worker that stopped beating. Any
-worker with room claims such entries (XAUTOCLAIM) and resumes each request from its prompt plus
-the tokens already in its result stream: those are prefilled, not generated again, so the
-client sees neither a gap nor a repeat, and seeded sampling continues where it was (the seed of
-each token depends only on its position). A request delivered too many times ends with an
-error entry instead of taking down worker after worker.
+worker writes its terminal entry (XACK + XDEL in the same pipeline). Live workers keep their
+pending entries fresh by re-claiming them to themselves (XCLAIM with JUSTID resets the idle
+time) every heartbeat, so an entry idle for longer than `reclaim_after_s` belongs to a worker
+that stopped beating. Any worker with room claims such entries (XAUTOCLAIM, walking the group's
+pending list with its cursor across calls, so a long list is covered in turn rather than its
+head over and over) and resumes each request from its prompt plus the tokens already in its
+result stream: those are prefilled, not generated again, so the client sees neither a gap nor a
+repeat, and seeded sampling continues where it was (the seed of each token depends only on its
+position). A worker restarted under the same name (as `redserve up` restarts them) takes back
+its own pending entries at once. A request delivered too many times ends with an error entry
+instead of taking down worker after worker.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from shared.keys import WORKER_GROUP, Keys
-from shared.messages import Error, Finish, GenerateRequest, Tokens, decode_result
+from shared.messages import Error, GenerateRequest, Tokens, decode_result, expand, is_terminal
+from shared.redis_conn import StreamEntries, stream_reply
 
 log = logging.getLogger("redserve.worker")
 
@@ -32,57 +36,83 @@ class Claimed:
     generated: tuple[int, ...]  # tokens its earlier worker published
     ended: bool  # its result stream already holds a terminal entry
     deliveries: int
+    aborted: bool = False  # its abort key is set (filled in at intake)
 
 
 class Recovery:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, name: str, reclaim_after_s: float):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, name: str,
+                 reclaim_after_s: float) -> None:
         self.redis = redis
         self.keys = keys
+        self.stream = keys.requests(model)
         self.name = name
         self.reclaim_after_ms = int(reclaim_after_s * 1000)
+        self._cursor = "0-0"
 
     async def touch(self, entry_ids: Iterable[str]) -> None:
         """Reset the idle time of the entries this worker holds: they are alive."""
         ids: list[int | bytes | str | memoryview] = list(entry_ids)
         if ids:
-            await self.redis.xclaim(self.keys.requests, WORKER_GROUP, self.name, 0, ids,
-                                    justid=True)
+            await self.redis.xclaim(self.stream, WORKER_GROUP, self.name, 0, ids, justid=True)
+
+    async def own_pending(self) -> list[Claimed]:
+        """The entries still pending under this worker's name: those of an earlier process
+        of the same name, which crashed."""
+        reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {self.stream: "0"},
+                                            count=10_000)
+        replies = stream_reply(reply)
+        claimed = await self._inspect_all(replies[0][1] if replies else [])
+        if claimed:
+            log.warning("took back %d request(s) of an earlier process named %s",
+                        len(claimed), self.name)
+        return claimed
 
     async def claim(self, room: int) -> list[Claimed]:
         """Up to `room` requests abandoned by dead workers, now this worker's."""
         if room <= 0:
             return []
-        reply = await self.redis.xautoclaim(self.keys.requests, WORKER_GROUP, self.name,
-                                            self.reclaim_after_ms, "0-0", count=room)
-        entries = reply[1]
+        reply = await self.redis.xautoclaim(self.stream, WORKER_GROUP, self.name,
+                                            self.reclaim_after_ms, self._cursor, count=room)
+        cursor = reply[0]
+        self._cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        if len(reply) > 2 and reply[2]:
+            # Entries trimmed (older than the request TTL) while pending: XAUTOCLAIM has
+            # dropped them from the pending list; their requests' keys are gone.
+            log.warning("dropped %d pending entr(ies) trimmed from the stream", len(reply[2]))
+        claimed = await self._inspect_all(reply[1])
+        if claimed:
+            log.warning("claimed %d request(s) from a dead worker", len(claimed))
+        return claimed
+
+    async def _inspect_all(self, entries: StreamEntries) -> list[Claimed]:
         claimed: list[Claimed] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
             try:
                 request = GenerateRequest.from_fields(fields)
-            except ValueError:
+            except (KeyError, TypeError, ValueError):
                 log.error("dropping malformed request entry %s", entry_id)
-                await self.redis.xack(self.keys.requests, WORKER_GROUP, entry_id)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.xack(self.stream, WORKER_GROUP, entry_id)
+                pipe.xdel(self.stream, entry_id)
+                await pipe.execute()
                 continue
             claimed.append(await self._inspect(entry_id, request))
-        if claimed:
-            log.warning("claimed %d request(s) from a dead worker", len(claimed))
         return claimed
 
     async def _inspect(self, entry_id: str, request: GenerateRequest) -> Claimed:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xpending_range(self.keys.requests, WORKER_GROUP, entry_id, entry_id, 1)
+        pipe.xpending_range(self.stream, WORKER_GROUP, entry_id, entry_id, 1)
         pipe.xrange(self.keys.out(request.id))
         pending, results = await pipe.execute()
         deliveries = int(pending[0]["times_delivered"]) if pending else 1
         generated: list[int] = []
         ended = False
         for _, fields in results:
-            entry = decode_result(fields)
-            if isinstance(entry, Tokens) and entry.index == len(generated):
-                generated.extend(entry.ids)
-            elif isinstance(entry, Finish | Error):
-                ended = True
+            ended = ended or is_terminal(fields)
+            for entry in expand(decode_result(fields)):
+                if isinstance(entry, Tokens) and entry.index == len(generated):
+                    generated.extend(entry.ids)
         return Claimed(entry_id, request, tuple(generated), ended, deliveries)
 
 

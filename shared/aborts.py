@@ -1,0 +1,34 @@
+"""Cancelling a request: its abort key, and an announcement workers hear at once.
+
+The abort key (`Keys.abort`) is the source of truth: whoever cancels sets it, and a worker
+checks it when it takes a request. Checking every running request's key every step would cost
+one Redis command per running request per step, as much as publishing its tokens. So whoever
+sets abort keys also appends their ids to one announcement stream (`Keys.aborts`), which each
+worker reads with a blocking XREAD in the background: nothing per step, one read per batch of
+aborts. A worker that missed announcements (it was restarting, Redis was away) still finds every
+abort key in its periodic check of the keys themselves (see worker/aborts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+
+# Announcements kept: a worker that reads them late (after a pause) still finds recent ones.
+ANNOUNCEMENTS_MAXLEN = 10_000
+
+
+def stage_aborts(pipe: aioredis.client.Pipeline, keys: Keys, request_ids: Iterable[str],
+                 ttl_s: int) -> None:
+    """Add to `pipe`: set each request's abort key, then announce them in one entry."""
+    ids = list(request_ids)
+    if not ids:
+        return
+    for request_id in ids:
+        pipe.set(keys.abort(request_id), "1", ex=ttl_s)
+    pipe.xadd(keys.aborts, {"ids": ",".join(ids)}, maxlen=ANNOUNCEMENTS_MAXLEN,
+              approximate=True)
+    pipe.expire(keys.aborts, ttl_s)

@@ -1,0 +1,207 @@
+"""The worker's Redis side on a real server, piece by piece: no terminal entry lost through an
+outage and none written twice, the claim walking the pending list with its cursor, a restarted
+worker taking back its own entries, and every abort path reaching the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from ops.embedded_redis import EmbeddedRedis
+from shared.aborts import stage_aborts
+from shared.keys import WORKER_GROUP, Keys
+from shared.messages import Error, GenerateRequest, SamplingParams, Tokens, decode_result
+from shared.redis_conn import connect
+from shared.settings import Settings
+from tests.stack import Stack, eventually
+from worker.aborts import AbortWatch
+from worker.engine import StepOutput
+from worker.publisher import Publisher
+from worker.recovery import Recovery
+
+MODEL = "tiny-llama"
+
+
+def _request(n: int) -> GenerateRequest:
+    now = time.time()
+    return GenerateRequest(id=f"{n:08x}-{uuid.uuid4().hex[:24]}", model=MODEL,
+                           prompt_ids=(5, 6, 7), params=SamplingParams(max_tokens=4),
+                           created=now, queue_deadline=now + 60, deadline=now + 120)
+
+
+def _enqueue(r: redis.Redis, keys: Keys, requests: list[GenerateRequest],
+             consumer: str) -> list[str]:
+    stream = keys.requests(MODEL)
+    r.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+    ids = [r.xadd(stream, q.to_fields()).decode() for q in requests]  # type: ignore[arg-type]
+    r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"})
+    return ids
+
+
+def test_terminal_entries_survive_an_outage_and_are_written_once() -> None:
+    server = EmbeddedRedis()
+    url = server.start()
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    requests = [_request(i) for i in range(3)]
+    r = redis.Redis.from_url(url)
+    entry_ids = _enqueue(r, keys, requests, "w1")
+
+    async def run() -> None:
+        nonlocal server
+        clients = connect(url, name="test")
+        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        for req, eid in zip(requests, entry_ids, strict=True):
+            publisher.take(req, eid)
+        # The first request's terminal entry already made it before the connection broke
+        # (a pipeline applied in part): the retry must not add a second one.
+        r.xadd(keys.out(requests[0].id), {"kind": "finish", "finish_reason": "length",
+                                          "prompt_tokens": "3", "completion_tokens": "1"})
+        server.stop()
+        publisher.stage([StepOutput(q.id, 0, 42, "length", 3, 1) for q in requests[:2]])
+        publisher.stage_error(requests[2].id, Error("lost", code="redis_unavailable"))
+        with pytest.raises(aioredis.RedisError):
+            await publisher.flush()
+        assert publisher.backlog == 3
+        # Still held (and so kept fresh) until written.
+        assert set(publisher.entry_ids) == {q.id for q in requests}
+        server = EmbeddedRedis(port=server.port)
+        server.start()
+        # Redis came back empty, as a restarted cache does; the first stream as it was.
+        r.xadd(keys.out(requests[0].id), {"kind": "finish", "finish_reason": "length",
+                                          "prompt_tokens": "3", "completion_tokens": "1"})
+        await publisher.flush(batch_now=True)
+        assert publisher.backlog == 0 and not publisher.entry_ids
+        await clients.close()
+
+    try:
+        asyncio.run(run())
+        for req in requests:
+            entries = [decode_result(f) for _, f in r.xrange(keys.out(req.id))]
+            assert len(entries) == 1, entries  # exactly one terminal entry each
+            assert r.ttl(keys.out(req.id)) > 0 and r.ttl(keys.state(req.id)) > 0
+        assert isinstance(entries[0], Error) and entries[0].code == "redis_unavailable"
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_the_claim_walks_the_pending_list_with_its_cursor(
+    sync_redis: redis.Redis, redis_url: str
+) -> None:
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    stream = keys.requests(MODEL)
+    # 40 requests of a live worker (fresh), then one of a dead worker (idle long ago).
+    live = _enqueue(sync_redis, keys, [_request(i) for i in range(40)], "live")
+    [orphan] = [sync_redis.xadd(stream, _request(99).to_fields()).decode()]  # type: ignore[arg-type]
+    sync_redis.xreadgroup(WORKER_GROUP, "dead", {stream: ">"})
+    sync_redis.xclaim(stream, WORKER_GROUP, "dead", 0, [orphan], idle=60_000, justid=True)
+
+    async def claims() -> list[list[str]]:
+        clients = connect(redis_url, name="test")
+        recovery = Recovery(clients.commands, keys, MODEL, "me", reclaim_after_s=10)
+        found = [[c.entry_id for c in await recovery.claim(1)] for _ in range(8)]
+        await clients.close()
+        return found
+
+    try:
+        found = asyncio.run(claims())
+        # Each call scans on from where the last stopped: the orphan behind 40 live entries
+        # is reached, and claimed once.
+        assert [ids for ids in found if ids] == [[orphan]]
+        assert {p["message_id"].decode() for p in sync_redis.xpending_range(
+            stream, WORKER_GROUP, "-", "+", 100, consumername="live")} == set(live)
+    finally:
+        sync_redis.delete(stream)
+
+
+def test_a_restarted_worker_takes_back_its_own_pending_requests(
+    sync_redis: redis.Redis, redis_url: str
+) -> None:
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    requests = [_request(i) for i in range(2)]
+    ids = _enqueue(sync_redis, keys, requests, "worker-0")
+    sync_redis.xadd(keys.out(requests[0].id), {"kind": "tokens", "index": "0", "ids": "7,8"})
+
+    async def take_back() -> list[tuple[str, tuple[int, ...], int]]:
+        clients = connect(redis_url, name="test")
+        recovery = Recovery(clients.commands, keys, MODEL, "worker-0", reclaim_after_s=10)
+        claimed = await recovery.own_pending()
+        await clients.close()
+        return [(c.entry_id, c.generated, c.deliveries) for c in claimed]
+
+    try:
+        # Both at once (no waiting for the idle threshold), each resuming from its tokens.
+        assert asyncio.run(take_back()) == [(ids[0], (7, 8), 2), (ids[1], (), 2)]
+    finally:
+        sync_redis.delete(keys.requests(MODEL), *(keys.out(q.id) for q in requests))
+
+
+def test_aborts_reach_the_worker_by_announcement_and_by_key(
+    sync_redis: redis.Redis, redis_url: str
+) -> None:
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    announced, silent, other = (_request(i).id for i in range(3))
+
+    async def run() -> tuple[set[str], set[str]]:
+        clients = connect(redis_url, name="test")
+        watch = AbortWatch(keys)
+        listener = asyncio.create_task(watch.listen(clients.blocking))
+        await asyncio.sleep(0.2)
+        pipe = clients.commands.pipeline(transaction=False)
+        stage_aborts(pipe, keys, [announced], 60)
+        await pipe.execute()
+        # Set by hand (redis-cli): no announcement, the key alone.
+        await clients.commands.set(keys.abort(silent), "1", ex=60)
+        for _ in range(100):
+            if watch.aborted([announced]):
+                break
+            await asyncio.sleep(0.02)
+        heard = watch.aborted([announced, silent, other])
+        checked = await watch.check(clients.commands, [announced, silent, other])
+        listener.cancel()
+        await clients.close()
+        return heard, checked
+
+    try:
+        heard, checked = asyncio.run(run())
+        assert heard == {announced}  # no command per step: heard in the background
+        assert checked == {announced, silent}  # the keys are the source of truth
+        assert sync_redis.ttl(keys.aborts) > 0
+    finally:
+        sync_redis.delete(keys.aborts, *(keys.abort(i) for i in (announced, silent)))
+
+
+def test_the_worker_ends_a_request_at_its_deadline(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    """No API replica: the request is put on the stream by hand, with a deadline a second
+    away and far more tokens to make than that allows (20 ms a step)."""
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, api=False,
+                  env={"REDSERVE_SYNTHETIC_STEP_MS": "20"}).start()
+    keys = Keys(stack.prefix)
+    now = time.time()
+    request = GenerateRequest(id=f"deadbeef-{uuid.uuid4().hex[:24]}", model=MODEL,
+                              prompt_ids=(5, 6, 7), created=now, queue_deadline=now + 1,
+                              deadline=now + 1.0,
+                              params=SamplingParams(max_tokens=500, ignore_eos=True))
+    try:
+        sync_redis.xadd(keys.requests(MODEL), request.to_fields())  # type: ignore[arg-type]
+        out = keys.out(request.id)
+
+        def ended() -> bool:
+            last = sync_redis.xrevrange(out, count=1)
+            return bool(last) and last[0][1][b"kind"] in (b"finish", b"error")
+
+        assert eventually(ended, 30), stack.output()
+        entries = [decode_result(f) for _, f in sync_redis.xrange(out)]
+        assert isinstance(entries[-1], Error) and entries[-1].code == "request_timeout"
+        assert 0 < sum(len(e.ids) for e in entries[:-1] if isinstance(e, Tokens)) < 500
+        assert eventually(lambda: sync_redis.xlen(keys.requests(MODEL)) == 0)
+    finally:
+        stack.stop()

@@ -1,0 +1,66 @@
+"""From settings to an engine: device, dtype, threads, model, KV pool, scheduler limits."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import torch
+
+from shared.models import ModelInfo
+from shared.settings import Settings
+from worker import checkpoint
+from worker.dtype import dtype_name, pick_dtype
+from worker.engine import Engine, EngineConfig
+from worker.kv_cache import KVPool, budget_bytes
+from worker.model_runner import ModelRunner
+from worker.synthetic import SyntheticRunner
+from worker.threads import ThreadPolicy, usable_cpus
+
+log = logging.getLogger("redserve.worker")
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def build_engine(info: ModelInfo, settings: Settings) -> Engine:
+    if settings.synthetic_step_ms:
+        return _synthetic_engine(info, settings)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    log.info("computing in %s on %s (--dtype %s)", dtype_name(dtype), device, settings.dtype)
+    large = settings.threads or usable_cpus()
+    threads = ThreadPolicy(large, settings.decode_threads or large)
+    if device.type == "cpu":
+        log.info("CPU threads: %d in prefill steps, %d in decode steps", threads.large,
+                 threads.small)
+    runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True)
+    budget = budget_bytes(settings.kv_cache_memory, device)
+    pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
+    step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)
+    config = EngineConfig(
+        max_running=settings.max_running,
+        max_step_tokens=step_tokens,
+        max_model_len=info.max_model_len,
+        page_size=settings.page_size,
+        prefix_caching=settings.prefix_caching,
+        threads=threads if device.type == "cpu" else None,
+    )
+    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
+
+
+def _synthetic_engine(info: ModelInfo, settings: Settings) -> Engine:
+    # Nothing to parallelise: more threads would only spin between steps and take CPU from
+    # the processes being measured.
+    torch.set_num_threads(1)
+    vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
+    runner = SyntheticRunner(vocab, settings.synthetic_step_ms / 1000)
+    tokens = settings.max_running * info.max_model_len
+    pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
+    config = EngineConfig(max_running=settings.max_running, max_step_tokens=1 << 20,
+                          max_model_len=info.max_model_len, page_size=settings.page_size,
+                          prefix_caching=False)
+    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)

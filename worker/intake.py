@@ -1,0 +1,143 @@
+"""Taking requests off the model's stream, in the background, only as far as there is room.
+
+A blocking XREADGROUP runs whenever the worker has room, beside the steps rather than between
+them: a request that arrives mid-step is read as it arrives (one command per arrival, not one
+per step) and admitted at the next step boundary. Requests claimed from dead workers (see
+worker/recovery.py) join the same queue. Each batch's abort keys are read once, before the
+batch is offered (where an announcement could have been missed, see `offer`), so a request
+cancelled while it was queued never starts.
+
+The read is never cancelled halfway (a cancelled XREADGROUP may still have delivered entries
+that nobody would then hold): `stop` lets the current read finish (at most one block) and its
+entries stay queued here for the drain to hand back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.keys import WORKER_GROUP
+from shared.messages import GenerateRequest
+from shared.redis_conn import RedisClients, stream_reply
+from worker.aborts import LOOKBACK_MS, AbortWatch
+from worker.recovery import Claimed
+
+log = logging.getLogger("redserve.worker")
+
+BLOCK_MS = 1000
+
+
+class Intake:
+    def __init__(self, clients: RedisClients, stream: str, name: str, aborts: AbortWatch,
+                 room: Callable[[], int], request_ttl_s: int) -> None:
+        self.clients = clients
+        self.stream = stream
+        self.name = name
+        self.aborts = aborts
+        self._room = room  # requests the engine can still take
+        self.request_ttl_s = request_ttl_s
+        self.queue: list[Claimed] = []
+        self.arrived = asyncio.Event()
+        self._room_changed = asyncio.Event()
+        self._stopping = False
+
+    def take(self) -> list[Claimed]:
+        """Everything read so far, for admission."""
+        taken, self.queue = self.queue, []
+        self.arrived.clear()
+        return taken
+
+    def room_changed(self) -> None:
+        self._room_changed.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._room_changed.set()
+
+    async def offer(self, claimed: list[Claimed]) -> None:
+        """Queue requests for admission, each with whether its abort key is set. Only the
+        keys of requests that may have been cancelled before this worker could hear of it
+        are read: those taken over from another worker or queued longer than the
+        announcements heard at start reach back; a fresh one's abort, if any, was heard."""
+        if not claimed:
+            return
+        horizon = time.time() - LOOKBACK_MS / 1000
+        unheard = [c.request.id for c in claimed
+                   if c.deliveries > 1 or c.request.created < horizon]
+        try:
+            aborted = await self.aborts.check(self.clients.commands, unheard)
+        except aioredis.RedisError as e:
+            # Taken all the same (they are pending here now); the next check of the keys
+            # held, or an announcement, still stops any that were cancelled.
+            log.warning("could not read the abort keys of new requests: %s", e)
+            aborted = set()
+        for c in claimed:
+            self.queue.append(Claimed(c.entry_id, c.request, c.generated, c.ended,
+                                      c.deliveries, c.request.id in aborted))
+        self.arrived.set()
+
+    async def ensure_group(self) -> None:
+        """The model's stream and consumer group, made if missing (from id 0: requests
+        enqueued before any worker existed are still served)."""
+        try:
+            await self.clients.commands.xgroup_create(self.stream, WORKER_GROUP, id="0",
+                                                      mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        await self.refresh_ttl()
+
+    async def refresh_ttl(self) -> None:
+        """The stream lives while a worker serves it (see shared/keys.py)."""
+        await self.clients.commands.expire(self.stream, self.request_ttl_s)
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while not self._stopping:
+            room = self._room() - len(self.queue)
+            if room <= 0:
+                self._room_changed.clear()
+                try:
+                    await asyncio.wait_for(self._room_changed.wait(), BLOCK_MS / 1000)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await self.offer(await self._read(room))
+                backoff = 0.1
+            except aioredis.RedisError as e:
+                if "NOGROUP" in str(e):
+                    log.warning("the request stream or its group is gone (expired, or Redis "
+                                "restarted): making it anew")
+                    with contextlib.suppress(aioredis.RedisError):
+                        await self.ensure_group()
+                        continue
+                log.warning("reading requests: %s; retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _read(self, room: int) -> list[Claimed]:
+        response = await self.clients.blocking.xreadgroup(
+            WORKER_GROUP, self.name, {self.stream: ">"}, count=room, block=BLOCK_MS)
+        replies = stream_reply(response)
+        claimed: list[Claimed] = []
+        for entry_id, fields in replies[0][1] if replies else []:
+            eid = entry_id.decode()
+            try:
+                claimed.append(Claimed(eid, GenerateRequest.from_fields(fields), (), False, 1))
+            except (KeyError, ValueError):
+                # The API validates everything it enqueues; a foreign entry has nowhere to
+                # send an error, so drop it.
+                log.error("dropping malformed request entry %s", eid)
+                pipe = self.clients.commands.pipeline(transaction=False)
+                pipe.xack(self.stream, WORKER_GROUP, eid)
+                pipe.xdel(self.stream, eid)
+                await pipe.execute()
+        return claimed

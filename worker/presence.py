@@ -1,0 +1,89 @@
+"""The worker's heartbeat: what keeps it, its requests and its model's stream known to be alive.
+
+Every `heartbeat_ttl_s / 3` seconds, in one place:
+- its status key and its place among the model's live workers (which API replicas read for
+  /ready and /v1/models); a draining worker leaves that set first;
+- its model's request stream TTL (the stream lives while a worker serves it);
+- the idle time of every entry it holds (see worker/recovery.py), and, unless draining, a claim
+  of entries abandoned by dead workers;
+- the abort keys of every request it holds, which catches any announcement it missed.
+Each part fails on its own (logged), so a Redis hiccup never stops the beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from worker.aborts import AbortWatch
+from worker.intake import Intake
+from worker.publisher import Publisher
+from worker.recovery import Recovery
+
+log = logging.getLogger("redserve.worker")
+
+
+@dataclass
+class Presence:
+    redis: aioredis.Redis
+    keys: Keys
+    name: str
+    model: str
+    ttl_s: int
+    status: Callable[[], dict[str, Any]]  # the body of the status key
+    room: Callable[[], int]  # requests the worker can still take
+    held: Callable[[], list[str]]  # ids of the requests it holds
+    publisher: Publisher
+    recovery: Recovery
+    intake: Intake
+    aborts: AbortWatch
+    draining: bool = False
+
+    async def run(self) -> None:
+        while True:
+            await self.beat()
+            await self._part("refresh the request stream's TTL", self.intake.refresh_ttl())
+            await self._part("refresh pending requests",
+                             self.recovery.touch(self.publisher.entry_ids.values()))
+            if not self.draining:
+                await self._part("claim abandoned requests", self._claim())
+            await self._part("check abort keys", self.aborts.check(self.redis, self.held()))
+            await asyncio.sleep(self.ttl_s / 3)
+
+    async def _claim(self) -> None:
+        room = self.room() - len(self.intake.queue)
+        await self.intake.offer(await self.recovery.claim(room))
+
+    async def _part(self, what: str, action: Any) -> None:
+        try:
+            await action
+        except aioredis.RedisError as e:
+            log.warning("could not %s: %s", what, e)
+
+    async def beat(self) -> None:
+        """Announce this worker: its status key, and its place among the model's live
+        workers unless it is draining."""
+        body = {**self.status(), "model": self.model, "draining": self.draining}
+        workers = self.keys.workers(self.model)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker(self.name), orjson.dumps(body), ex=self.ttl_s)
+        if self.draining:
+            pipe.zrem(workers, self.name)
+        else:
+            pipe.zadd(workers, {self.name: time.time() + self.ttl_s})
+            pipe.expire(workers, self.ttl_s * 3)
+        await self._part("send the heartbeat", pipe.execute())
+
+    async def leave(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(self.name))
+        pipe.zrem(self.keys.workers(self.model), self.name)
+        await self._part("announce the shutdown", pipe.execute())
