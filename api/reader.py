@@ -147,7 +147,7 @@ class ResultReader:
     async def _make_feed(self) -> bytes:
         """The feed exists from here on (workers never make it), with its TTL."""
         pipe = self.clients.commands.pipeline(transaction=False)
-        pipe.xadd(self.feed_key, {"": ""}, maxlen=FEED_MAXLEN, approximate=True)
+        pipe.xadd(self.feed_key, {"d": ""}, maxlen=FEED_MAXLEN, approximate=True)
         pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)

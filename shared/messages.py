@@ -8,8 +8,8 @@ Result stream entries (one stream per request, read by the API replica that owns
     kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
                  cached_tokens=N  [index=.. ids=.. logprobs=..: the request's last tokens]
     kind=error   type=<error type>  code=<code>  message=<text>
-Feed entry (one per worker step per replica, see `shared.keys`): `{<request id>: <JSON of that
-request's result entry fields>}` for each of the replica's requests the step produced.
+Feed entry (one per worker step per replica, see `shared.keys`): `d=<JSON {<request id>: that
+request's result entry fields}>` for each of the replica's requests the step produced.
 Exactly one `finish` or `error` entry ends every result stream. A finish entry may carry the
 tokens of the step that ended the request (one XADD instead of two: Redis commands per token
 are the budget), read as a tokens entry followed by the finish (`expand`). Flat string fields
@@ -132,13 +132,16 @@ def _tokens(f: dict[str, str]) -> Tokens:
 
 
 def feed_fields(entries: dict[str, dict[str, str]]) -> dict[str, str]:
-    """A feed entry: request id -> that request's result entry."""
-    return {rid: orjson.dumps(fields).decode() for rid, fields in entries.items()}
+    """A feed entry: one field `d`, the JSON of {request id: that request's result entry}. One
+    field of the same name in every entry: Redis stores and replies it far more cheaply than a
+    field per request (measured: a step's feed XADD and XREAD cost half as much)."""
+    return {"d": orjson.dumps(entries).decode()}
 
 
 def decode_feed(fields: dict[bytes, bytes]) -> dict[str, dict[str, str]]:
     """A feed entry's request entries (a replica's own marker entry has none)."""
-    return {rid.decode(): orjson.loads(payload) for rid, payload in fields.items() if payload}
+    payload = fields.get(b"d")
+    return orjson.loads(payload) if payload else {}
 
 
 def decode_result(fields: dict[bytes, bytes] | dict[str, str]) -> ResultEntry:

@@ -94,6 +94,7 @@ def test_worker_killed_every_few_seconds_under_up_loses_and_changes_nothing(
         finally:
             done.set()
             chaos.join()
+        print(f"{len(kills)} kills in {time.monotonic() - t0:.0f}s")  # shown with -s
         assert len(kills) >= 2, f"only {len(kills)} kill(s) in {time.monotonic() - t0:.0f}s"
         assert texts == undisturbed
         said = log.read_text()
