@@ -47,10 +47,12 @@ OUTAGE_AFTER_S = 1.0
 # While some client is behind, read with a short block so it catches up promptly once it
 # reads again.
 BEHIND_BLOCK_MS = 20
-FEED_MAXLEN = 1000
+FEED_MAXLEN = 10_000
 # How often the feed's TTL is refreshed (and its loss noticed).
 FEED_CHECK_S = 5.0
 RESTART_PAUSE_S = 0.1
+LOST = Error("some of the request's results are missing from its stream (lost when Redis "
+             "failed)", "server_error", "redis_unavailable")
 MALFORMED = Error("the worker sent a malformed result entry", "server_error", "malformed_result")
 
 
@@ -75,29 +77,32 @@ class Subscription:
         self.queue.put_nowait(error)
         self.ended = self.failed = True
 
-    def offer(self, entries: list[ResultEntry], room: int) -> bool:
-        """Queue what is new in `entries` (in order); False if it must catch up from its
-        stream instead (a gap, or no room)."""
+    def offer(self, entries: list[ResultEntry], room: int) -> str:
+        """Queue what is new in `entries` (in order, all or none): "ok", or why it cannot
+        ("gap": tokens are missing before these; "full": no room)."""
+        fresh: list[ResultEntry] = []
+        expected = self.next_index
         for entry in entries:
-            if self.ended:
-                return True
             if isinstance(entry, Tokens):
-                skip = self.next_index - entry.index
+                skip = expected - entry.index
                 if skip < 0:
-                    return False  # a gap: some tokens never reached the feed
+                    return "gap"
                 if skip >= len(entry.ids):
                     continue  # seen already
                 if skip:
-                    entry = Tokens(self.next_index, entry.ids[skip:],
+                    entry = Tokens(expected, entry.ids[skip:],
                                    entry.logprobs[skip:] if entry.logprobs else None)
-            if self.queue.qsize() >= room:
-                return False
+                expected = entry.index + len(entry.ids)
+            fresh.append(entry)
+        if self.ended or not fresh:
+            return "ok"
+        if self.queue.qsize() + len(fresh) > room:
+            return "full"
+        for entry in fresh:
             self.queue.put_nowait(entry)
-            if isinstance(entry, Tokens):
-                self.next_index = entry.index + len(entry.ids)
-            elif isinstance(entry, Finish | Error):
-                self.ended = True
-        return True
+        self.next_index = expected
+        self.ended = isinstance(fresh[-1], Finish | Error)
+        return "ok"
 
 
 @dataclass
@@ -196,13 +201,19 @@ class ResultReader:
                     self._route_feed(fields)
 
     async def _check_feed(self) -> None:
-        """Refresh the feed's TTL; if it is gone (Redis lost its data), make it anew and
-        have every request catch up from its stream."""
+        """Refresh the feed's TTL. If it is gone (Redis lost its data), make it anew; if it
+        was trimmed past what this reader has read (it fell that far behind), read on. Either
+        way every open request catches up from its stream."""
         if await self.clients.commands.expire(self.feed_key, self._ttl_s):
-            return
-        log.warning("the replica's feed was gone (Redis restarted?); every open request "
-                    "catches up from its result stream")
-        self._feed_id = await self._make_feed()
+            first = (await self.clients.commands.xinfo_stream(self.feed_key)).get("first-entry")
+            if not first or _id(first[0]) <= _id(self._feed_id):
+                return
+            log.warning("the replica's feed was trimmed past this reader; every open request "
+                        "catches up from its result stream")
+        else:
+            log.warning("the replica's feed was gone (Redis restarted?); every open request "
+                        "catches up from its result stream")
+            self._feed_id = await self._make_feed()
         for sub in self.subscriptions.values():
             sub.behind = True
 
@@ -225,10 +236,15 @@ class ResultReader:
             sub.behind_since = None
             reply = cast(StreamEntries, await self.clients.commands.xrange(
                 sub.key, _after(sub.stream_id), "+", count=free // 2))
+            outcome = "ok"
             for entry_id, fields in reply:
+                outcome = sub.offer(_decode(sub.key, fields), room)
+                if outcome == "gap":  # in the record itself: those results never came
+                    sub.fail(LOST)
+                if outcome != "ok":
+                    break
                 sub.stream_id = entry_id
-                sub.offer(_decode(sub.key, fields), room)
-            if len(reply) < free // 2:
+            if outcome == "ok" and len(reply) < free // 2:
                 sub.behind = False  # level with its stream: the feed brings the rest
             else:
                 waiting = True
@@ -245,7 +261,7 @@ class ResultReader:
             sub = self.subscriptions.get(request_id)
             if sub is None or sub.behind or sub.ended:
                 continue  # gone, or catching up from its stream (which has this too)
-            if not sub.offer(_decode(sub.key, entry_fields), room):
+            if sub.offer(_decode(sub.key, entry_fields), room) != "ok":
                 sub.behind = True
 
     def _fail_all(self, error: Error) -> None:
@@ -265,3 +281,9 @@ def _after(entry_id: bytes | str) -> str:
     """The XRANGE start just after `entry_id`."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return f"({text}"
+
+
+def _id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

@@ -19,9 +19,9 @@ queue and its request stream share a slot, so one script can admit and enqueue a
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as
-new ones arrive, so no prompt outlives its request's TTL. The stream itself expires when no
-worker refreshes it and no request arrives for that long (its consumer group goes with it; a
-worker makes it anew).
+new ones arrive, so no prompt outlives its request's TTL. The stream gets its TTL when it is
+made and its workers refresh it; with no worker it expires a request TTL after it was made
+(its consumer group goes with it; a worker makes both anew).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 - `commands`: pooled, with a socket timeout, for short commands and pipelines;
 - `blocking`: for XREAD/XREADGROUP BLOCK, with no socket timeout (redis-py's default would cut
-  a long block short) and its own connections so a block never holds up a command.
+  a long block short) and its own connections so a block never holds up a command. Every
+  connection has TCP keepalive on, so one whose peer vanished is noticed eventually.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def connect(url: str, *, name: str, max_connections: int = 64,
     # RESP2 pinned: stream replies are parsed as RESP2 lists on both sides.
     common: dict[str, Any] = {
         "socket_connect_timeout": 1.0, "health_check_interval": 30, "protocol": 2, "timeout": 5,
+        "socket_keepalive": True,
     }
     if cluster:
         return RedisClients(

@@ -205,3 +205,41 @@ def test_the_worker_ends_a_request_at_its_deadline(
         assert eventually(lambda: sync_redis.xlen(keys.requests(MODEL)) == 0)
     finally:
         stack.stop()
+
+
+def test_a_request_whose_tokens_a_failed_flush_dropped_ends_with_an_error() -> None:
+    """Its stream has a gap: a finish after it would promise text the stream does not hold."""
+    server = EmbeddedRedis()
+    url = server.start()
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    req = _request(7)
+    r = redis.Redis.from_url(url)
+    [entry_id] = _enqueue(r, keys, [req], "w1")
+
+    async def run() -> None:
+        nonlocal server
+        clients = connect(url, name="test")
+        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        publisher.take(req, entry_id)
+        publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
+        await publisher.flush()
+        server.stop()
+        publisher.stage([StepOutput(req.id, 1, 42, None, 3, 2)])  # lost with the flush
+        with pytest.raises(aioredis.RedisError):
+            await publisher.flush()
+        server = EmbeddedRedis(port=server.port)
+        server.start()
+        r.xadd(keys.out(req.id), Tokens(0, (41,)).to_fields())  # as it was
+        publisher.stage([StepOutput(req.id, 2, 43, "length", 3, 3)])
+        await publisher.flush(batch_now=True)
+        await clients.close()
+
+    try:
+        asyncio.run(run())
+        entries = [decode_result(f) for _, f in r.xrange(keys.out(req.id))]
+        assert entries[0] == Tokens(0, (41,))
+        assert isinstance(entries[-1], Error) and entries[-1].code == "redis_unavailable"
+        assert not any(isinstance(e, Tokens) and e.index == 1 for e in entries)
+    finally:
+        r.close()
+        server.stop()

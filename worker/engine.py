@@ -120,7 +120,8 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def request_ids(self) -> list[str]:
-        return [*self.running, *(s.request.id for s in self.waiting)]
+        # Copies taken in one C call each: safe to call while a step runs on its thread.
+        return [*tuple(self.running), *(s.request.id for s in tuple(self.waiting))]
 
     def find(self, request_id: str) -> Sequence | None:
         seq = self.running.get(request_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,23 +50,28 @@ class Presence:
     async def run(self) -> None:
         while True:
             await self.beat()
-            await self._part("refresh the request stream's TTL", self.intake.refresh_ttl())
-            await self._part("refresh pending requests",
-                             self.recovery.touch(self.publisher.entry_ids.values()))
+            await self._part("refresh the request stream's TTL", self.intake.refresh_ttl)
+            await self._part("refresh pending requests", lambda: self.recovery.touch(
+                [*self.publisher.entry_ids.values(), *(c.entry_id for c in self.intake.queue)]))
             if not self.draining:
-                await self._part("claim abandoned requests", self._claim())
-            await self._part("check abort keys", self.aborts.check(self.redis, self.held()))
+                await self._part("claim abandoned requests", self._claim)
+            await self._part("check abort keys",
+                             lambda: self.aborts.check(self.redis, self.held()))
             await asyncio.sleep(self.ttl_s / 3)
 
     async def _claim(self) -> None:
         room = self.room() - len(self.intake.queue)
         await self.intake.offer(await self.recovery.claim(room))
 
-    async def _part(self, what: str, action: Any) -> None:
+    async def _part(self, what: str, action: Callable[[], Awaitable[Any]]) -> None:
+        """One part of the beat; whatever it raises is logged, and the beat goes on (a worker
+        whose beat stopped would have its requests claimed while it runs them)."""
         try:
-            await action
+            await action()
         except aioredis.RedisError as e:
             log.warning("could not %s: %s", what, e)
+        except Exception:
+            log.exception("could not %s", what)
 
     async def beat(self) -> None:
         """Announce this worker: its status key, and its place among the model's live
@@ -80,10 +85,10 @@ class Presence:
         else:
             pipe.zadd(workers, {self.name: time.time() + self.ttl_s})
             pipe.expire(workers, self.ttl_s * 3)
-        await self._part("send the heartbeat", pipe.execute())
+        await self._part("send the heartbeat", pipe.execute)
 
     async def leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(self.name))
         pipe.zrem(self.keys.workers(self.model), self.name)
-        await self._part("announce the shutdown", pipe.execute())
+        await self._part("announce the shutdown", pipe.execute)

@@ -39,8 +39,11 @@ from shared.settings import Settings
 from worker.engine import StepOutput
 
 BATCH_S = 0.5
-# Feed entries kept per replica: its reader reads every step, so this is minutes of slack.
-FEED_MAXLEN = 1000
+RESULTS_LOST = Error("some of the request's results were lost when Redis failed",
+                     "server_error", "redis_unavailable")
+# Feed entries kept per replica (one per worker step): its reader reads every step, so this
+# is tens of seconds of slack even with many busy workers.
+FEED_MAXLEN = 10_000
 
 _FINAL_STATE = {
     "stop": RequestState.DONE,
@@ -97,7 +100,7 @@ class Staged:
 
     def keep_for_retry(self, outbox: Staged) -> None:
         """What a failed flush must not lose; token entries and states are dropped (their
-        requests end with an error, see WorkerService)."""
+        requests end with an error: see `Publisher.gapped`)."""
         outbox.endings += self.endings
         outbox.acks += self.acks
         outbox.taken += self.taken
@@ -120,6 +123,9 @@ class Publisher:
         self._expires: dict[str, float] = {}
         # Requests whose result stream exists already (and so carries its TTL).
         self._streams: set[str] = set()
+        # Requests whose tokens a failed flush dropped: their streams have a gap, so they end
+        # with an error, never with a finish the client could not read up to.
+        self.gapped: set[str] = set()
         self._staged = Staged()
         self._outbox = Staged()
         self._batch = Staged()  # acks and queue releases, sent every BATCH_S
@@ -194,20 +200,30 @@ class Publisher:
             try:
                 await self._retry_outbox()
             except aioredis.RedisError:
-                staged.keep_for_retry(self._outbox)
-                self.lost_streams()
+                self._failed(staged)
                 raise
         if not staged:
             return
         try:
             await self._send(staged)
         except aioredis.RedisError:
-            staged.keep_for_retry(self._outbox)
-            self.lost_streams()
+            self._failed(staged)
             raise
         self._written(staged.endings)
         if batch_now and self._batch:  # what those endings freed, now rather than later
             await self.flush(batch_now=True)
+
+    def _failed(self, staged: Staged) -> None:
+        self.gapped |= {request_id for request_id, _ in staged.tokens}
+        staged.keep_for_retry(self._outbox)
+        self.lost_streams()
+
+    def forget(self, taken: set[str]) -> None:
+        """After an outage: drop the requests whose entries another worker claimed meanwhile
+        (they are its to end)."""
+        gone = {rid for rid, eid in self.entry_ids.items() if eid in taken}
+        self.entry_ids = {rid: eid for rid, eid in self.entry_ids.items() if rid not in gone}
+        self._outbox.endings = [e for e in self._outbox.endings if e.request_id not in gone]
 
     async def _send(self, staged: Staged) -> None:
         ttl = self.settings.request_ttl_s
@@ -272,13 +288,17 @@ class Publisher:
         for ending in expired:  # its keys are gone by now: nothing left to end
             self.entry_ids.pop(ending.request_id, None)
         outbox.endings = [e for e in outbox.endings if e.expires >= now]
-        pipe = self.redis.pipeline(transaction=False)
+        # One script call each (a rare path; a Cluster pipeline cannot carry scripts), then
+        # the feed learns of those that were added.
+        added = []
         for e in outbox.endings:
-            await self._terminal_once(
-                keys=[self.keys.out(e.request_id), self.keys.state(e.request_id)],
-                args=[self.settings.finished_ttl_s, orjson.dumps(e.fields),
-                      orjson.dumps(e.state)], client=pipe)
-        self._stage_feeds(pipe, [(e.request_id, e.fields) for e in outbox.endings])
+            if await self._terminal_once(
+                    keys=[self.keys.out(e.request_id), self.keys.state(e.request_id)],
+                    args=[self.settings.finished_ttl_s, orjson.dumps(e.fields),
+                          orjson.dumps(e.state)]):
+                added.append((e.request_id, e.fields))
+        pipe = self.redis.pipeline(transaction=False)
+        self._stage_feeds(pipe, added)
         self._stage_acks(pipe, outbox)
         for member_batch in _chunks(outbox.taken):
             pipe.zrem(self.queued_key, *member_batch)
@@ -298,6 +318,9 @@ class Publisher:
 
     def _end(self, request_id: str, fields: dict[str, str], state: str,
              extra: dict[str, str]) -> None:
+        if request_id in self.gapped:
+            self.gapped.discard(request_id)
+            fields, state, extra = RESULTS_LOST.to_fields(), RequestState.ERROR, {}
         self.on_end(fields.get("finish_reason") or fields["code"])
         expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
         self._staged.endings.append(Ending(request_id, fields, {"state": state, **extra},

@@ -55,6 +55,18 @@ class Recovery:
         if ids:
             await self.redis.xclaim(self.stream, WORKER_GROUP, self.name, 0, ids, justid=True)
 
+    async def taken_by_others(self) -> set[str]:
+        """The ids of entries pending under another worker's name (after an outage: those
+        another worker claimed from this one meanwhile)."""
+        try:
+            found = await self.redis.xpending_range(self.stream, WORKER_GROUP, "-", "+",
+                                                    100_000)
+        except aioredis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                return set()
+            raise
+        return {_text(p["message_id"]) for p in found if _text(p["consumer"]) != self.name}
+
     async def own_pending(self) -> list[Claimed]:
         """The entries still pending under this worker's name: those of an earlier process
         of the same name, which crashed."""
@@ -121,3 +133,7 @@ def too_many_deliveries(claimed: Claimed, limit: int) -> Error | None:
         return None
     return Error(f"the request was taken by {claimed.deliveries - 1} workers that all stopped "
                  "before finishing it", "server_error", "worker_failed")
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -137,6 +137,8 @@ class WorkerService:
         while not self.stopping.is_set():  # stopping: the shutdown tries one last time
             await asyncio.sleep(backoff)
             try:
+                # Requests another worker claimed meanwhile are its own to end, not ours.
+                self.publisher.forget(await self.recovery.taken_by_others())
                 await self.publisher.flush()
                 await self.intake.ensure_group()
             except aioredis.RedisError as e:
@@ -268,11 +270,12 @@ class WorkerService:
             await self.publisher.flush(batch_now=True)
 
     async def _shutdown(self) -> None:
-        # Past the grace period: every request still here ends with a terminal entry.
-        shutdown = Error("worker shut down before the request finished", "server_error",
-                         "worker_shutdown")
+        # Past the grace period: every request still here is handed back, to resume from its
+        # published tokens on another worker (its tokens so far go out first, in this flush).
         for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
-            self.publisher.stage_error(seq.request.id, shutdown)
+            if seq.request.id in self.publisher.entry_ids:
+                self.publisher.stage_hand_back(seq.request.id)
+                self.metrics.handed_back.inc()
         try:
             await self.publisher.flush(batch_now=True)
         except aioredis.RedisError as e:
