@@ -6,7 +6,7 @@ Staged per step, sent by `flush`:
 - ended requests: one entry carrying the last tokens and the finish (or an error), and the
   short TTL of a finished request on its stream and hash;
 - requests admitted (their state);
-- then, per API replica, one feed entry with all of the above for its requests (see
+- then, per API replica, one feed entry with the new result entries of its requests (see
   shared/keys.py): its reader reads the whole step in one command;
 - at most every `BATCH_S` (at once when idle): one XACK and one XDEL of every entry ended
   since, so the request stream holds only unfinished work, and one ZREM freeing the queue
