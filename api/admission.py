@@ -6,8 +6,9 @@ take requests; members older than the queue timeout are trimmed here, so a crash
 never leave the queue looking full. The check and the insert are one script: two replicas
 cannot both take the last slot. The same script appends the request to the model's stream
 (both keys share the model's Cluster slot), trimming entries older than the request TTL, and
-gives the stream its TTL when it makes it: so a place is never held by a request that is not
-on the stream, and no prompt outlives its TTL there.
+extends the stream's TTL to a request TTL from now: so a place is never held by a request that
+is not on the stream, no prompt outlives its TTL there, and a stream no worker refreshes (none
+runs: scaled to zero) cannot expire under a request that just joined it.
 
 One tenant may hold at most `max_per_tenant` of the queue's places, so no single tenant can
 fill it and have every other tenant's requests refused.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
+from shared.keys import QUEUE_STALE_MARGIN_S, Keys
 from shared.messages import GenerateRequest
 
 _ADMIT = """
@@ -45,8 +46,8 @@ redis.call('EXPIRE', KEYS[1], ARGV[7])
 local entry = {'*', 'id', ARGV[12], 'body', ARGV[13]}
 if not redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MINID', ARGV[10], unpack(entry)) then
   redis.call('XADD', KEYS[2], unpack(entry))
-  redis.call('EXPIRE', KEYS[2], ARGV[11])
 end
+redis.call('EXPIRE', KEYS[2], ARGV[11])
 return 1
 """
 
@@ -75,7 +76,7 @@ class Admission:
         fields = request.to_fields()
         result = await self._script(
             keys=[self.keys.queued(request.model), self.keys.requests(request.model)],
-            args=[now, now - limits.timeout_s - 5, request.queue_member,
+            args=[now, now - limits.timeout_s - QUEUE_STALE_MARGIN_S, request.queue_member,
                   len(request.prompt_ids), limits.max_requests, limits.max_tokens,
                   int(limits.timeout_s) + 10, limits.max_per_tenant, request.tenant,
                   f"{max(oldest_ms, 0)}-0", self.request_ttl_s, fields["id"],

@@ -9,12 +9,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors, routes, status
+from api import errors, routes, status, tokenization
 from api.admission import Admission, QueueLimits
 from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext, Live, ServedModel
-from api.metrics import APIMetrics
+from api.metrics import APIMetrics, CountResponses, QueueDepths
 from api.reader import ResultReader
 from api.text import TextCodec
 from shared.keys import Keys, new_replica_tag
@@ -35,6 +35,8 @@ def create_app(settings: Settings) -> FastAPI:
         raise AuthConfigError(
             "no API keys: set REDSERVE_API_KEYS or REDSERVE_API_KEYS_FILE, or set "
             "REDSERVE_NO_AUTH=true to serve without authentication")
+    # Made here, not in the lifespan: the response counter wraps the app from the start.
+    metrics = APIMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,7 +50,6 @@ def create_app(settings: Settings) -> FastAPI:
         keys = Keys(settings.key_prefix)
         clients = connect(redis_url, name=f"redserve-api-{replica}",
                           cluster=settings.redis_cluster)
-        metrics = APIMetrics()
         live = Live()
 
         def on_slow_client(request_id: str) -> None:
@@ -72,6 +73,9 @@ def create_app(settings: Settings) -> FastAPI:
             queues=lambda: len(reader.subscriptions),
             buffered=lambda: sum(s.queue.qsize() for s in reader.subscriptions.values()),
         )
+        metrics.watch_queues(QueueDepths(clients.commands,
+                                         {name: keys.queued(name) for name in models},
+                                         settings.queue_timeout_s))
         await reader.start(settings.request_ttl_s)
         app.state.ctx = ctx
         try:
@@ -92,8 +96,11 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(status.router)
     app.include_router(routes.router)
+    app.include_router(tokenization.router)
     app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
+    # Added last, so outermost: it sees the guard's refusals too.
+    app.add_middleware(CountResponses, metrics=metrics)
     return app
 
 

@@ -1,5 +1,6 @@
-"""One choice of a reply: its text (detokenized, stop strings applied), its logprobs and how it
-ended. A request with `n` > 1 or several prompts has one `Choice` per generation."""
+"""One choice of a reply: its text (detokenized, stop strings applied, tool calls parsed out),
+its logprobs and how it ended. A request with `n` > 1 or several prompts has one `Choice` per
+generation."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from api.text import IncrementalDecoder, TextCodec
+from api.tools.parse import ParsedCall, ToolCallParser
 from shared.messages import Finish, ResultEntry, Tokens
 
 
@@ -57,13 +59,15 @@ class Choice:
     codec: TextCodec
     prefix: str = ""  # echoed prompt text, shown before the completion
     prompt_index: int = 0  # which prompt of the request (n choices share one)
+    tools: ToolCallParser | None = None  # the model was offered tools: parse its calls
     finish_reason: str | None = None
     tokens_seen: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def on_tokens(self, entry: Tokens) -> tuple[str, list[Any]]:
-        """Text delta and logprob items for a tokens entry. Tokens at positions already seen
+    def on_tokens(self, entry: Tokens) -> tuple[str, list[Any], list[ParsedCall]]:
+        """Text delta, logprob items and completed tool calls for a tokens entry. Tokens at
+        positions already seen
         are dropped: a publish that Redis applied but whose reply was lost is sent again by
         the client's retry, and must not show twice."""
         seen = self.tokens_seen - entry.index
@@ -73,26 +77,44 @@ class Choice:
         self.tokens_seen += len(entry.ids)
         text = self.decoder.push(entry.ids)
         items = self._logprobs(entry)
+        stopped = False
         if self.stops is not None:
             text, stopped = self.stops.feed(text)
-            if stopped:
-                self.finish_reason = "stop"
-                self.completion_tokens = self.tokens_seen
-        return text, items
+        text, calls = self._calls(text, stopped)
+        if stopped:
+            self.finish_reason = self._reason("stop")
+            self.completion_tokens = self.tokens_seen
+        return text, items, calls
 
-    def on_finish(self, entry: Finish) -> str:
-        """The rest of the text once the worker ended the choice."""
+    def on_finish(self, entry: Finish) -> tuple[str, list[ParsedCall]]:
+        """The rest of the text, and of the tool calls, once the worker ended the choice."""
         tail = self.decoder.flush()
-        self.finish_reason = entry.finish_reason
+        reason = entry.finish_reason
         if self.stops is not None:
             tail, stopped = self.stops.feed(tail)
             if stopped:
-                self.finish_reason = "stop"
+                reason = "stop"
             else:
                 tail += self.stops.flush()
+        tail, calls = self._calls(tail, True)
+        self.finish_reason = self._reason(reason)
         self.completion_tokens = entry.completion_tokens
         self.cached_tokens = entry.cached_tokens
-        return tail
+        return tail, calls
+
+    def _calls(self, text: str, last: bool) -> tuple[str, list[ParsedCall]]:
+        if self.tools is None:
+            return text, []
+        text, calls = self.tools.feed(text)
+        if last:
+            rest, more = self.tools.flush()
+            text, calls = text + rest, calls + more
+        return text, calls
+
+    def _reason(self, reason: str) -> str:
+        """A choice that called tools ends with "tool_calls", unless cut short."""
+        return "tool_calls" if self.tools is not None and self.tools.made and (
+            reason == "stop") else reason
 
     def _logprobs(self, entry: Tokens) -> list[Any]:
         if entry.logprobs is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from api.admission import Admission
+from api.errors import APIError
 from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.text import TextCodec
@@ -81,6 +82,15 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.info.name
+
+    def check_size(self, texts: list[str], param: str) -> None:
+        """A 400 for text far too long for the context, before it is tokenized."""
+        limit = self.info.max_model_len
+        size = self.codec.surely_too_long(texts, limit)
+        if size is not None:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the "
+                           f"{param} text ({size} bytes) is far longer than that.",
+                           param=param, code="context_length_exceeded")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,14 @@ _HTTP_CODES = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed"
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+class FieldError(ValueError):
+    """A body check that spans several fields, naming the one a client should change."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "content") -> "messages[0].content"; pydantic's union-member tags
     # ("str", "list[str]", "function-after[...]") are not part of the field's path.
@@ -86,8 +94,14 @@ def install(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
         first = _most_telling(exc.errors()) if exc.errors() else {"loc": (), "msg": "invalid"}
         param = _param(tuple(first.get("loc", ())))
+        ctx = first.get("ctx")
+        cause = ctx.get("error") if isinstance(ctx, dict) else None
+        if isinstance(cause, FieldError):  # a check across fields names the one at fault
+            param = cause.param
         message = str(first.get("msg", "invalid request"))
-        if first.get("type") == "extra_forbidden":
+        if first.get("type") == "value_error" and cause is not None:
+            message = str(cause)  # the check's own words, without pydantic's "Value error, "
+        elif first.get("type") == "extra_forbidden":
             message = "this field is not supported by redserve"
         elif first.get("type") == "json_invalid":
             param, message = None, "the request body is not valid JSON"

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.errors import APIError
+from api.metrics import ReplyTimer, abort_cause
 from api.reader import Subscription
 from api.resume import StreamView
 from shared.aborts import stage_aborts
@@ -26,12 +27,14 @@ log = logging.getLogger("redserve.api")
 
 class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
-                 view: StreamView | None = None) -> None:
+                 view: StreamView | None = None, streaming: bool = False) -> None:
         self.ctx = ctx
         self.request = request
         self.siblings = siblings  # other choices of the same reply: `<id>-1` .. `<id>-<n-1>`
         self.view = view  # set for a resumable stream
+        self.streaming = streaming  # answered with SSE (recorded for `redserve inspect`)
         self.outcome: str | None = None  # how it ended, once it has
+        self.timer: ReplyTimer | None = None  # its reply's timings, once every choice started
         self._sub: Subscription | None = None
         self._started = False  # a worker has answered at least once
         self._worker_ended = False  # the worker wrote the terminal entry
@@ -63,6 +66,7 @@ class Generation:
             "replica": ctx.replica,
             "tenant": req.tenant,
             "choices": str(max(self.siblings, 1)),
+            "streaming": "1" if self.streaming else "0",
             **({"stream": self.view.to_json()} if self.view is not None else {}),
         })
         pipe.expire(state_key, ttl)
@@ -90,7 +94,7 @@ class Generation:
         if self._sub is None or self._sub.ended:
             return
         self._sub.fail(error)
-        self._aborting = asyncio.create_task(self._abort())
+        self._aborting = asyncio.create_task(self._abort(abort_cause(error.code)))
 
     def __aiter__(self) -> Generation:
         return self
@@ -116,6 +120,8 @@ class Generation:
                     continue
                 return self._end(Error("request timed out", "timeout", "request_timeout"))
         self._started = True
+        if self.timer is not None and not sub.failed:  # from the worker, not from here
+            self.timer.entry(self.request.id, entry)
         if isinstance(entry, Finish | Error):
             self._worker_ended = not sub.failed
             return self._end(entry)
@@ -144,7 +150,9 @@ class Generation:
         outcome = self.outcome or outcome
         if outcome is None:
             ctx.metrics.disconnects.inc()
-        ctx.metrics.finished.labels(outcome or "disconnect").inc()
+        ctx.metrics.finished.labels(self.request.model, outcome or "disconnect").inc()
+        if self.timer is not None:
+            self.timer.closed(self.request.id, outcome or "disconnect")
         ctx.reader.close(self._sub)
         # Wakes anyone still iterating, who then sees the end.
         self._sub.fail(Error("the request was closed", "server_error", "closed"))
@@ -158,11 +166,12 @@ class Generation:
                 deferred.add_done_callback(ctx.live.deferred.discard)
                 return
             if self._aborting is None:
-                self._aborting = asyncio.create_task(self._abort())
+                self._aborting = asyncio.create_task(self._abort(abort_cause(outcome)))
             # Shielded: this often runs while the handler is being cancelled.
             await asyncio.shield(self._aborting)
 
     async def _abort_unless_resumed(self, grace: float) -> None:
+        await self._mark_detached()
         await asyncio.sleep(grace)
         try:
             resumed = await self.ctx.clients.commands.exists(
@@ -170,10 +179,21 @@ class Generation:
         except aioredis.RedisError:
             resumed = 0
         if not resumed:
-            await self._abort()
+            await self._abort(abort_cause(None))
 
-    async def _abort(self) -> None:
-        self.ctx.metrics.aborts.inc()
+    async def _mark_detached(self) -> None:
+        """Record in the hash that the stream's client went away (`redserve inspect` shows it
+        as resumable). EXPIRE NX: a hash that expired meanwhile does not come back without
+        a TTL."""
+        state_key = self.ctx.keys.state(self.request.id)
+        pipe = self.ctx.clients.commands.pipeline(transaction=False)
+        pipe.hset(state_key, "detached", f"{time.time():.3f}")
+        pipe.expire(state_key, self.ctx.settings.request_ttl_s, nx=True)
+        with contextlib.suppress(aioredis.RedisError):
+            await pipe.execute()
+
+    async def _abort(self, cause: str) -> None:
+        self.ctx.metrics.aborts.labels(cause).inc()
         keys, ttl = self.ctx.keys, self.ctx.settings.request_ttl_s
         pipe = self.ctx.clients.commands.pipeline(transaction=False)
         stage_aborts(pipe, keys, [self.request.id], ttl)

@@ -1,6 +1,8 @@
-"""OpenAI request bodies. Unknown fields are refused (400 naming the field), never ignored.
+"""OpenAI request bodies. Unknown fields are refused (400 naming the field), never ignored;
+fields of OpenAI's API that cannot change the output are accepted and unused, and
+vLLM's request extensions that clients and benchmark tools send are served as vLLM serves them.
 
-Every input is bounded (the limits below, each refused with a 400 naming it), so no single
+Every input is bounded (the limits in `api.fields`, each refused with a 400 naming it), so no single
 request can make a replica do unbounded work: a stop string is scanned on every token, a
 choice is a queued request, a logit_bias entry is work in every sampling step. The body as a
 whole is bounded before it is parsed (`api.auth.guard`), and the prompt by the model's context.
@@ -10,77 +12,91 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-MAX_N = 16
-MAX_CHOICES = 128  # prompts x n in one request: each is a queued request of its own
-MAX_STOPS = 4
-MAX_STOP_CHARS = 256
-MAX_MESSAGES = 1024
-MAX_PARTS = 256  # content parts of one message
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 1024
-MAX_NAME_CHARS = 256  # model, user, message name
-TOKEN_ID_DIGITS = 10
-INT64 = 2**63
-
-
-class _Strict(BaseModel):
-    # NaN and Infinity (which Python's JSON parser accepts) are refused like any bad number,
-    # and so are values of the wrong JSON type ("4" or true for an integer, 4.0 for a token id).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI's API takes `null` for "use the default" on every optional field, and
-        # clients send it so.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-def _valid_unicode(text: str) -> str:
-    # JSON's \ud800-style escapes can carry lone surrogates, which no tokenizer accepts.
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        raise ValueError("the text holds a lone surrogate (not valid Unicode)") from None
-    return text
+from api.errors import FieldError
+from api.fields import (
+    INT64,
+    MAX_CHOICES,
+    MAX_GUIDED_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_METADATA,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOPS,
+    MAX_TOOLS,
+    TOKEN_ID_DIGITS,
+    ChatMessage,
+    Name,
+    NamedToolChoice,
+    StopString,
+    StrictModel,
+    Text,
+    TokenId,
+    TokenIds,
+    Tool,
+    ToolChoice,
+)
 
 
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-TokenId = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
-    name: Name | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's extension (guidellm sends it): with include_usage, every chunk carries the usage
+    # so far, not only the last one.
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool = False  # OpenAI's padding against side channels: none here
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class JSONSchemaFormat(StrictModel):
+    name: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    # The field is `schema` on the wire; pydantic keeps that name for its own method.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool = False
+
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's
 
 
-class _Common(_Strict):
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> Any:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema goes with type 'json_schema', and "
+                             "only with it")
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (its older `guided_*` fields say the same): exactly one."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
+    grammar: str | None = None  # Lark (what llguidance reads), or a GBNF grammar
+    json_object: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Any:
+        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             "grammar, json_object")
+        return self
+
+
+class _Common(StrictModel):
     model: Name
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -105,6 +121,26 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions.
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # what the fast tokenizers do anyway
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1,
+                                               max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's fields that change nothing in the output: checked, then unused.
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
+                        Field(max_length=MAX_METADATA)] | None = None
+    store: bool = False
+    service_tier: Annotated[str, Field(max_length=32)] | None = None
+    prompt_cache_key: Name | None = None
+    prompt_cache_retention: Annotated[str, Field(max_length=32)] | None = None
+    safety_identifier: Name | None = None
+    prediction: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -116,10 +152,39 @@ class _Common(_Strict):
                                  f"{key[:TOKEN_ID_DIGITS + 2]!r}")
         return v
 
+    def _constraints(self) -> list[tuple[str, bool]]:
+        """Each field that may constrain the output, and whether it does here."""
+        return [
+            ("response_format", self.response_format is not None
+             and self.response_format.type != "text"),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("guided_json", self.guided_json is not None),
+            ("guided_regex", self.guided_regex is not None),
+            ("guided_choice", self.guided_choice is not None),
+            ("guided_grammar", self.guided_grammar is not None),
+        ]
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> Any:
+        most = self.requested_max_tokens()
+        if most is not None and self.min_tokens > most:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) is more than the "
+                             f"max_tokens ({most})")
+        return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> Any:
+        given = [name for name, v in self._constraints() if v]
+        if len(given) > 1:
+            raise FieldError(given[1], f"{' and '.join(given)} each constrain the output: "
+                             "give one")
+        return self
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Any:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options",
+                             "stream_options is only allowed when stream is true")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -138,12 +203,46 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's chat extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=16)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> Any:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "two functions share a name")
+        choice = self.tool_choice
+        if choice in ("auto", "required") and not names:
+            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names function "
+                             f"{choice.function.name!r}, which is not among the tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message", "continue_final_message and "
+                             "add_generation_prompt cannot both be true")
+        return self
+
+    def _constraints(self) -> list[tuple[str, bool]]:
+        return [("tool_choice", self.calls_forced()), *super()._constraints()]
+
+    def calls_forced(self) -> bool:
+        """`tool_choice` required or a named function: the output is constrained to calls."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def tools_in_use(self) -> bool:
+        """Whether the model is offered the tools (`tool_choice` none hides them)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> Any:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -158,6 +257,7 @@ class CompletionRequest(_Common):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @field_validator("suffix")
@@ -170,14 +270,14 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _bounded_choices(self) -> Any:
         if len(self.prompts()) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} is over the limit of "
-                             f"{MAX_CHOICES} choices per request")
+            raise FieldError("n", f"{len(self.prompts())} prompts x n={self.n} is over the "
+                             f"limit of {MAX_CHOICES} choices per request")
         return self
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> Any:
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
+            raise FieldError("echo", "echo with logprobs (prompt logprobs) is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -9,6 +9,8 @@ import orjson
 from starlette.responses import Response
 
 Kind = Literal["chat", "text"]
+# One choice of a whole reply: text, finish_reason, logprobs, tool calls (OpenAI's shape).
+WholeChoice = tuple[str, str, dict[str, Any] | None, list[dict[str, Any]]]
 SYSTEM_FINGERPRINT = "redserve"
 
 
@@ -40,13 +42,16 @@ class ResponseFormat:
         *,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
-            delta: dict[str, str] = {}
+            delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": index, "delta": delta}
             obj = "chat.completion.chunk"
         else:
@@ -60,16 +65,17 @@ class ResponseFormat:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj), "choices": [], "usage": usage}
 
-    def whole(self, choices: list[tuple[str, str, dict[str, Any] | None]],
-              usage: dict[str, Any]) -> dict[str, Any]:
-        """`choices`: (text, finish_reason, logprobs) in index order."""
+    def whole(self, choices: list[WholeChoice], usage: dict[str, Any]) -> dict[str, Any]:
+        """`choices` in index order."""
         out = []
-        for index, (text, finish_reason, logprobs) in enumerate(choices):
+        for index, (text, finish_reason, logprobs, calls) in enumerate(choices):
             if self.kind == "chat":
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                }
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    # As OpenAI answers: no content beside the calls unless the model wrote some.
+                    message["content"] = text.strip() or None
+                    message["tool_calls"] = calls
+                choice: dict[str, Any] = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
             choice["logprobs"] = logprobs

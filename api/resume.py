@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,6 +24,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from api.context import AppContext
+from api.metrics import abort_cause
 from api.responses import Kind
 from shared.aborts import stage_aborts
 from shared.messages import (
@@ -56,15 +58,30 @@ class StreamView:
     include_usage: bool
     deadline: float
     queue_deadline: float = 0.0  # 0: not recorded
+    continuous_usage: bool = False  # usage in every chunk (stream_options.continuous_usage_stats)
+    tools: bool = False  # the model was offered tools: its calls are parsed out
+    one_call: bool = False  # parallel_tool_calls false: only the first call is kept
+    skip_special_tokens: bool = True
 
     def to_json(self) -> str:
-        return orjson.dumps(asdict(self)).decode()
+        # A field at its default is left out, so replicas that predate it (a rolling
+        # upgrade) still read the views that do not use it.
+        data = asdict(self)
+        return orjson.dumps({k: v for k, v in data.items()
+                             if k not in _OPTIONAL or v != _OPTIONAL[k]}).decode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> StreamView:
         data = orjson.loads(raw)
         data["stops"] = tuple(data["stops"])
-        return cls(**data)
+        # Fields a newer replica added are not this one's to render; dropping them beats
+        # failing the resume.
+        return cls(**{k: v for k, v in data.items() if k in _FIELDS})
+
+
+_FIELDS = {f.name for f in dataclasses.fields(StreamView)}
+_OPTIONAL = {f.name: f.default for f in dataclasses.fields(StreamView)
+             if f.default is not dataclasses.MISSING}
 
 
 class Replay:
@@ -128,7 +145,7 @@ class Replay:
     async def _past_deadline(self) -> Error | None:
         now = time.time()
         if now > self.view.deadline:
-            await self._abort()
+            await self._abort(abort_cause("request_timeout"))
             return Error("request timed out", "timeout", "request_timeout")
         if self._started or not self.view.queue_deadline or now <= self.view.queue_deadline:
             return None
@@ -139,7 +156,7 @@ class Replay:
         if state not in (None, RequestState.QUEUED.encode()):
             self._started = True  # a worker has it: only the full deadline applies now
             return None
-        await self._abort()
+        await self._abort(abort_cause("queue_timeout"))
         return queue_timeout(self.view.model)
 
     def _end(self) -> None:
@@ -152,9 +169,10 @@ class Replay:
         if self._ended:
             return
         self._end()
-        await self._abort()
+        await self._abort(abort_cause(outcome))
 
-    async def _abort(self) -> None:
+    async def _abort(self, cause: str) -> None:
+        self.ctx.metrics.aborts.labels(cause).inc()
         pipe = self.ctx.clients.commands.pipeline(transaction=False)
         stage_aborts(pipe, self.ctx.keys, [self._id], self.ctx.settings.request_ttl_s)
         with contextlib.suppress(aioredis.RedisError):

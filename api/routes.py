@@ -15,6 +15,8 @@ from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
 from api.resume import StreamView, last_event_id
 from api.serving import generate, resume
+from api.text import ChatOptions, TemplateRefused
+from api.tools.prompt import conversation, native_tools
 from shared.aborts import stage_aborts
 from shared.keys import is_request_id
 from shared.messages import RequestState
@@ -45,6 +47,7 @@ async def cancel(request_id: str, request: Request) -> Response:
             await pipe.execute()
         except aioredis.RedisError as e:
             raise _state_unavailable(e) from e
+        ctx.metrics.aborts.labels("cancel").inc(len(ids))
     return json_response({"id": request_id, "object": "request", "state": current,
                           "cancelled": cancelled})
 
@@ -80,8 +83,17 @@ async def resume_stream(request_id: str, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     model = _served(ctx, body.model)
-    _check_size(model, [m.text() for m in body.messages], "messages")
-    prompt_ids = await model.codec.encode_chat(body.messages)
+    model.check_size([m.text() for m in body.messages], "messages")
+    tools = body.tools if body.tools_in_use() else None
+    turns, native = conversation(body.messages, tools, native_tools(model.codec.tokenizer))
+    options = ChatOptions(tools=native, add_generation_prompt=body.add_generation_prompt,
+                          continue_final_message=body.continue_final_message,
+                          add_special_tokens=body.add_special_tokens,
+                          template_kwargs=body.chat_template_kwargs or {})
+    try:
+        prompt_ids = await model.codec.encode_turns(turns, options)
+    except TemplateRefused as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
     return await generate(ctx, model, request, body, [prompt_ids], "chat", _tenant(request))
 
 
@@ -92,11 +104,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     vocab = len(model.codec.tokenizer)
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            _check_size(model, [prompt], "prompt")
+            model.check_size([prompt], "prompt")
     prompts: list[list[int]] = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            prompts.append(await model.codec.encode_text(prompt))
+            prompts.append(await model.codec.encode_text(prompt, body.add_special_tokens))
             continue
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -129,15 +141,6 @@ def _state_unavailable(e: Exception) -> APIError:
     log.warning("request state unavailable: %s", e)
     return APIError(503, "request state is unavailable; retry shortly", type="server_error",
                     code="redis_unavailable", headers={"Retry-After": "1"})
-
-
-def _check_size(model: ServedModel, texts: list[str], param: str) -> None:
-    limit = model.info.max_model_len
-    size = model.codec.surely_too_long(texts, limit)
-    if size is not None:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens; the "
-                       f"{param} text ({size} bytes) is far longer than that.", param=param,
-                       code="context_length_exceeded")
 
 
 def _served(ctx: AppContext, name: str) -> ServedModel:

@@ -48,6 +48,9 @@ def run(settings: Settings) -> None:
     else:
         log.warning("authentication is OFF (REDSERVE_NO_AUTH): any caller may use this "
                     "replica; set REDSERVE_API_KEYS to require keys")
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            timeout_graceful_shutdown=5)
+    # No logging configuration of uvicorn's own: its loggers propagate to the handler that
+    # shared.logs.setup_logging installed (JSON stays JSON). No access log unless asked for:
+    # one line per request at any load, and the `request.finished` event says more.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            access_log=settings.access_log, timeout_graceful_shutdown=5)
     DrainingServer(config, app, settings.drain_grace_s).run()

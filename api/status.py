@@ -16,7 +16,7 @@ import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.context import AppContext
 from api.errors import APIError
@@ -125,5 +125,4 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_ctx(request).metrics.registry),
-                    media_type=CONTENT_TYPE_LATEST)
+    return Response(await _ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -3,13 +3,35 @@ detokenization that never splits a multi-byte character."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from api.protocol import ChatMessage
+# apply_chat_template's own parameters: `chat_template_kwargs` may not set them.
+_TEMPLATE_PARAMS = frozenset({"conversation", "tools", "documents", "chat_template",
+                              "add_generation_prompt", "continue_final_message", "tokenize",
+                              "padding", "truncation", "max_length", "return_tensors",
+                              "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                              "sanitize_control_tokens"})
+
+
+class TemplateRefused(ValueError):
+    """The chat template cannot render these messages (its own check, or a bad option)."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered: vLLM's chat request extensions, and the tools."""
+
+    tools: list[dict[Any, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class TextCodec:
@@ -30,21 +52,30 @@ class TextCodec:
         size = sum(len(t.encode()) for t in texts)
         return size if size > max_tokens * self.max_token_bytes else None
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
-        return await run_in_threadpool(self._apply_template, convo)
+    async def encode_turns(self, turns: list[dict[str, Any]],
+                           options: ChatOptions = ChatOptions()) -> list[int]:
+        return await run_in_threadpool(self._apply_template, turns, options)
 
-    async def encode_text(self, text: str) -> list[int]:
-        return await run_in_threadpool(self._encode, text)
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await run_in_threadpool(self._encode, text, add_special_tokens)
 
-    def _apply_template(self, convo: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            convo, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return [int(i) for i in cast(list[int], ids)]
+    def _apply_template(self, convo: list[dict[str, Any]], options: ChatOptions) -> list[int]:
+        bad = sorted(set(options.template_kwargs) & _TEMPLATE_PARAMS)
+        if bad:
+            raise TemplateRefused(f"chat_template_kwargs may not set {', '.join(bad)}")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                convo, tools=cast(Any, options.tools),
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False,
+                **options.template_kwargs)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise TemplateRefused(f"the chat template cannot render these messages: {e}") from e
+        return list(self.tokenizer.encode(cast(str, text),
+                                          add_special_tokens=options.add_special_tokens))
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         return cast(str, self.tokenizer.decode([token_id]))
@@ -52,8 +83,8 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self.tokenizer)
+    def decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self.tokenizer, skip_special_tokens)
 
 
 class IncrementalDecoder:
@@ -65,14 +96,16 @@ class IncrementalDecoder:
     back a trailing U+FFFD until the next token completes the character.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # end of the part of the window already shown
 
     def _decode(self, ids: list[int]) -> str:
-        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def push(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)

@@ -28,6 +28,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
 from ops.probe import wait_healthy
 from shared.models import resolve_model
@@ -158,7 +159,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=96, help="concurrent client streams")
     ap.add_argument("--seconds", type=float, default=15.0)
     args = ap.parse_args()
-    console = Console()
+    console = make_console()
     embedded = None
     redis_url = os.environ.get("REDIS_URL")
     if redis_url is None:

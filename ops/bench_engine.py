@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
@@ -150,7 +151,7 @@ def main() -> None:
         print(json.dumps(measure(args.only, args)))
         return
 
-    console = Console()
+    console = make_console()
     results: dict[str, dict[str, float]] = {}
     for system in SYSTEMS:
         if system in args.skip:

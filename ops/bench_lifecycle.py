@@ -36,9 +36,9 @@ from typing import cast
 
 import httpx
 import redis
-from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
 from ops.probe import wait_healthy
 from shared.keys import Keys
@@ -46,7 +46,7 @@ from shared.models import resolve_model
 from shared.redis_conn import StreamEntries
 from shared.settings import DEFAULT_MODEL, Settings
 
-console = Console()
+console = make_console()
 PREFIX = "rsbench"
 
 

@@ -40,6 +40,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
 from ops.machine import describe
 from ops.probe import wait_healthy
@@ -245,7 +246,7 @@ def main() -> None:
                     help="use this server instead of an embedded Valkey (its stats are reset)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
-    console = Console(width=max(Console().width, 130))
+    console = make_console()
     embedded = None
     if args.redis_url is None:
         embedded = EmbeddedRedis()

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench_single import generate_timing
+from ops.console import make_console
 from ops.embedded_redis import free_port
 from ops.machine import descendants, describe, peak_rss_mib
 from shared.models import resolve_model
@@ -219,7 +220,7 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true",
                     help="redserve alone (no ratios: for quick checks while developing)")
     args = ap.parse_args()
-    console = Console(width=max(Console().width, 120))
+    console = make_console()
     console.print(describe())
     text, long_ids = _long_prompt(2000)
     runs = [(args.streams, args.max_tokens, None), (1, 128, None), (1, 1, text)]

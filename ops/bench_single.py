@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import orjson
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from ops.embedded_redis import free_port
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="start from an empty model cache")
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
-    console = Console()
+    console = make_console()
 
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     cache = tempfile.TemporaryDirectory() if args.cold else None

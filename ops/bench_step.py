@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from ops.console import make_console
 from ops.machine import describe
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    console = Console(width=max(Console().width, 170))
+    console = make_console()
     console.print(describe())
     table = Table(title=f"{DEFAULT_MODEL} decode step, prompts of {args.context} tokens "
                         "(ms per step)")

@@ -8,12 +8,16 @@ worker takes back the requests still pending under it; the same API port), after
 doubles on each failure up to a cap, so a child that cannot start does not spin. The delay
 starts over once a child has stayed up a while. Stopping is `up`'s: SIGTERM to every child
 (they drain), a kill after a grace, and no restarts from then on.
+
+Every exit it notices is logged with the child's name, how it ended and when it comes back,
+as prose for a person and as fields (`child.exited`, `child.failing`) for a log collector.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import signal
 import subprocess
 import time
@@ -21,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger("redserve.up")
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,10 @@ class Supervisor:
     Single-threaded: every method runs on the caller's thread."""
 
     def __init__(self, specs: Sequence[ChildSpec], env: Mapping[str, str],
-                 say: Callable[[str], None], backoff: Backoff = Backoff(),
+                 backoff: Backoff = Backoff(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.children = [Child(s) for s in specs]
         self.env = dict(env)
-        self.say = say
         self.backoff = backoff
         self.clock = clock
         self.stopping = False
@@ -122,14 +126,18 @@ class Supervisor:
             ran = now - child.started_at
             child.failures, delay = self.backoff.after_exit(child.failures, ran)
             child.restart_at = now + delay
-            if self.backoff.keeps_failing(child.failures):
-                self.say(f"[red]{child.spec.name} keeps failing[/red]: {describe_exit(code)} "
-                         f"after {ran:.1f}s, {child.failures} times in a row within "
-                         f"{self.backoff.reset_after_s:g}s of starting; restarting in "
-                         f"{delay:g}s (its own log above says why)")
+            failing = self.backoff.keeps_failing(child.failures)
+            fields = {"event": "child.failing" if failing else "child.exited",
+                      "child": child.spec.name, "exit_code": code, "ran_s": round(ran, 1),
+                      "failures": child.failures, "restart_in_s": delay}
+            if failing:
+                log.error("%s keeps failing: %s after %.1fs, %d times in a row within %gs of "
+                          "starting; restarting in %gs (its own log above says why)",
+                          child.spec.name, describe_exit(code), ran, child.failures,
+                          self.backoff.reset_after_s, delay, extra={"fields": fields})
             else:
-                self.say(f"[yellow]{child.spec.name} {describe_exit(code)}[/yellow] after "
-                         f"{ran:.1f}s; restarting in {delay:g}s")
+                log.warning("%s %s after %.1fs; restarting in %gs", child.spec.name,
+                            describe_exit(code), ran, delay, extra={"fields": fields})
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every running child (they drain), kill those still running after `grace`;

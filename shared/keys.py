@@ -19,9 +19,9 @@ queue and its request stream share a slot, so one script can admit and enqueue a
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as
-new ones arrive, so no prompt outlives its request's TTL. The stream gets its TTL when it is
-made and its workers refresh it; with no worker it expires a request TTL after it was made
-(its consumer group goes with it; a worker makes both anew).
+new ones arrive, so no prompt outlives its request's TTL. Each new request extends the
+stream's TTL to a request TTL and its workers refresh it; with no worker it expires a request
+TTL after its last request (its consumer group goes with it; a worker makes both anew).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ import secrets
 from dataclasses import dataclass
 
 WORKER_GROUP = "workers"
+# A queued-set member older than the queue timeout plus this is stale (its request can no
+# longer be taken): admission trims it, and every queue-depth figure leaves it out.
+QUEUE_STALE_MARGIN_S = 5.0
 # `<replica>-<random>`, and `-<i>` for choice i > 0 of a reply (see `new_request_id`).
 _REQUEST_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{24}(-[0-9]{1,4})?$")
 

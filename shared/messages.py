@@ -5,6 +5,7 @@ Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`.
 Result stream entries (one stream per request, read by the API replica that owns the request):
     kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>
                  [logprobs=<JSON: per token [logprob, [[id, logprob], ...top alternatives]]>]
+                 [queued_ms=<created -> admitted by the worker; on a request's first token>]
     kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
                  cached_tokens=N  [index=.. ids=.. logprobs=..: the request's last tokens]
     kind=error   type=<error type>  code=<code>  message=<text>
@@ -44,6 +45,7 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Log-probabilities: None = none; N = the chosen token's and its N best alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    min_tokens: int = Field(default=0, ge=0)  # no stop token before this many (vLLM's)
 
 
 class GenerateRequest(BaseModel):
@@ -57,6 +59,9 @@ class GenerateRequest(BaseModel):
     queue_deadline: float  # unix time after which, if no worker took it, it ends untouched
     deadline: float  # unix time after which the request ends with an error entry
     tenant: str = ""  # the caller's tenant (see api.auth.keys): only it may cancel or resume
+    # The output's grammar (`shared.grammar`), when constrained: JSON schema, regex, choice,
+    # Lark grammar or tool calls, compiled by the replica into llguidance's grammar format.
+    grammar: str | None = None
     trace_id: str = ""
 
     def to_fields(self) -> dict[str, str]:
@@ -81,11 +86,16 @@ class Tokens:
     index: int
     ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # On a request's first token: how long it waited for a worker (created -> admitted), which
+    # only the worker knows and the replica's queue-time histogram reports.
+    queued_ms: int | None = None
 
     def to_fields(self) -> dict[str, str]:
         fields = {"kind": "tokens", "index": str(self.index), "ids": ",".join(map(str, self.ids))}
         if self.logprobs is not None:
             fields["logprobs"] = orjson.dumps(self.logprobs).decode()
+        if self.queued_ms is not None:
+            fields["queued_ms"] = str(self.queued_ms)
         return fields
 
 
@@ -128,7 +138,8 @@ def _tokens(f: dict[str, str]) -> Tokens:
     if "logprobs" in f:
         logprobs = tuple((float(lp), tuple((int(t), float(v)) for t, v in top))
                          for lp, top in orjson.loads(f["logprobs"]))
-    return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs)
+    queued_ms = int(f["queued_ms"]) if "queued_ms" in f else None
+    return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs, queued_ms=queued_ms)
 
 
 def feed_fields(entries: dict[str, dict[str, str]]) -> dict[str, str]:

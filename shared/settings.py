@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -31,6 +31,15 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     models_file: Path | None = None
     cache_dir: Path = Path.home() / ".cache" / "redserve"
+
+    # Logging (see shared/logs.py): `json` is one object a line on stderr for log collectors,
+    # `text` is for people. uvicorn's per-request access log is off unless asked for: the
+    # `request.finished` event says more, once. Prompt and output text stay out of every log
+    # line unless `log_request_text` is set.
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = False
+    log_request_text: bool = False
 
     # Per-request keys live this long from creation; a finished request's keys are refreshed to
     # `finished_ttl_s` so a client can still read its result, then everything expires.
@@ -106,6 +115,11 @@ class Settings(BaseSettings):
     # Benchmarks only: replace the model by a stand-in whose every step takes this long (ms),
     # so broker throughput can be measured without a GPU (see worker/synthetic.py).
     synthetic_step_ms: float = Field(default=0.0, ge=0)
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod

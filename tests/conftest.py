@@ -13,6 +13,7 @@ from shared.settings import DEFAULT_MODEL, Settings
 from tests.stack import Stack
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+SMOL = "SmolLM2-135M-Instruct"  # the name smol_stack serves SmolLM2 under
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +84,22 @@ def tiny_stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     stack = Stack(redis_url, tiny_model, served_name="tiny-llama").start()
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_stack(redis_url: str, smollm2: ModelInfo) -> Iterator[Stack]:
+    """A stack serving the real SmolLM2, at fp32 so that its replies equal transformers' fp32
+    `generate` token for token (tests/test_dtype.py holds the bf16 engine to transformers at
+    bf16)."""
+    stack = Stack(redis_url, smollm2.path, served_name=SMOL,
+                  env={"REDSERVE_DTYPE": "float32"}).start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_client(smol_stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{smol_stack.base_url}/v1", api_key="x", max_retries=0)
 
 
 @pytest.fixture(scope="session")

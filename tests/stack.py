@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import redis
 from redis.cluster import RedisCluster
@@ -31,6 +33,31 @@ def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str
     env["REDSERVE_NO_AUTH"] = "true"
     env.update(extra)
     return env
+
+
+class Deployment(Protocol):
+    """Where a redserve deployment's keys live."""
+
+    @property
+    def redis_url(self) -> str: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+
+def inspect(at: Deployment, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`redserve inspect` run as a user runs it, on a pipe (so at its full width)."""
+    environment = child_env(at.redis_url, at.prefix, **env)
+    environment.pop("COLUMNS", None)
+    return subprocess.run([sys.executable, "-m", "ops.cli", "inspect", *args],
+                          env=environment, capture_output=True, text=True, timeout=60)
+
+
+def inspect_json(at: Deployment, *args: str, **env: str) -> dict[str, Any]:
+    done = inspect(at, "--json", *args, **env)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
 
 
 @dataclass

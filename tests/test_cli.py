@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from ops.cli import serves_all
 from ops.embedded_redis import free_port
 from ops.probe import wait_healthy
 from ops.supervisor import Backoff, ChildSpec, Supervisor
+from ops.up import serves_all
 from tests.stack import child_env, eventually
 
 
@@ -150,23 +150,28 @@ def test_backoff_doubles_to_a_cap_starts_over_after_a_good_run_and_spots_a_faili
     assert policy.after_exit(10_000, ran_s=1.0) == (10_001, 10.0)  # hours of failing: no overflow
 
 
-def test_supervisor_restarts_what_exits_says_so_and_stops_for_good() -> None:
-    said: list[str] = []
+def test_supervisor_restarts_what_exits_says_so_and_stops_for_good(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     crash = (sys.executable, "-c", "import sys; sys.exit(3)")
     sleep = (sys.executable, "-c", "import time; time.sleep(60)")
     supervisor = Supervisor(
-        [ChildSpec("crasher", crash), ChildSpec("sleeper", sleep)], os.environ, said.append,
+        [ChildSpec("crasher", crash), ChildSpec("sleeper", sleep)], os.environ,
         Backoff(initial_s=0.01, cap_s=0.05, failing_after=3))
     supervisor.start()
     sleeper = supervisor.children[1].proc
     try:
         assert eventually(lambda: supervisor.poll() or supervisor.children[0].restarts >= 4, 20)
-        assert all(line.startswith("[yellow]crasher exited with code 3") for line in said[:2])
+        said = caplog.messages
+        assert all(line.startswith("crasher exited with code 3") for line in said[:2])
         assert "crasher keeps failing" in said[2] and "3 times in a row" in said[2]
+        fields = [vars(r)["fields"] for r in caplog.records[:3]]
+        assert [f["event"] for f in fields] == ["child.exited", "child.exited", "child.failing"]
+        assert all(f["child"] == "crasher" and f["exit_code"] == 3 for f in fields)
         assert sleeper is not None
         os.kill(sleeper.pid, signal.SIGKILL)
         assert eventually(lambda: supervisor.poll() or supervisor.children[1].restarts == 1, 10)
-        assert any("sleeper killed by SIGKILL" in line for line in said)
+        assert any("sleeper killed by SIGKILL" in line for line in caplog.messages)
         assert supervisor.children[1].proc is not sleeper
     finally:
         supervisor.stop(grace=5)

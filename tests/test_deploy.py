@@ -1,22 +1,44 @@
 """No container engine or cluster runs here, so the deployment files are checked for what they
 must declare: compose.yaml against the Compose specification's JSON schema, then the topology
-(Redis, two API replicas behind nginx, CPU and GPU workers), and the Kubernetes manifests for
-their structure and for timings consistent with the drain."""
+(Redis, two API replicas behind nginx, CPU and GPU workers); the Kubernetes manifests as
+`kubectl apply -k` builds them (tests/kustomize.py: ops/k8s with fixed workers, and the
+ops/k8s/autoscale overlay with KEDA), against the API server's own OpenAPI schemas
+(kubernetes-validate ships them) and KEDA's CRD schemas (tests/data/, copied from KEDA's
+repository), then for their structure, timings consistent with the drain, and worker
+autoscaling that reads the stream the workers consume."""
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import jsonpatch
+import jsonschema
+import kubernetes_validate
+import pytest
 import yaml
 
+from shared.keys import WORKER_GROUP, Keys
 from shared.settings import Settings
+from tests.kustomize import KustomizeError, render
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAIN_GRACE_S = 20  # what compose.yaml and ops/k8s/config.yaml set
+DRAIN_GRACE_S = 20  # what compose.yaml and ops/k8s/base/config.yaml set
 PRESTOP_S = 5
+# The oldest Kubernetes release the manifests must be valid for.
+KUBERNETES_VERSION = "1.30"
+# KEDA's kinds; their CRDs' schemas are tests/data/keda_<kind>_v1alpha1.schema.json.
+KEDA_API = "keda.sh/v1alpha1"
+K8S = ROOT / "ops" / "k8s"
+FIXED = K8S  # kubectl apply -k ops/k8s: a fixed number of workers, no KEDA
+AUTOSCALE = K8S / "autoscale"  # kubectl apply -k ops/k8s/autoscale: workers scaled by KEDA
 
 
 def test_compose_file_is_valid_against_the_compose_spec() -> None:
@@ -29,7 +51,12 @@ def test_compose_file_is_valid_against_the_compose_spec() -> None:
 def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "api", "nginx", "worker", "worker-gpu"}
+    assert set(services) == {"redis", "api", "nginx", "worker", "worker-gpu", "prometheus",
+                             "grafana"}
+    # Monitoring is opt-in, and on loopback (Grafana lets anonymous viewers in).
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"]
+        assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"])
     assert services["redis"]["image"].startswith("redis:7")
     assert services["api"]["deploy"]["replicas"] == 2
     assert "ports" not in services["api"]  # reached through nginx only
@@ -53,7 +80,7 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
         assert "models:/cache" in svc["volumes"]
         assert int(svc["environment"]["REDSERVE_DRAIN_GRACE_S"]) == DRAIN_GRACE_S
         assert _seconds(svc["stop_grace_period"]) > DRAIN_GRACE_S
-    for name in ("redis", "api", "nginx", "worker", "worker-gpu"):
+    for name in ("redis", "api", "nginx", "worker", "worker-gpu", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     gpu = services["worker-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["environment"]["REDSERVE_DEVICE"] == "cuda"
@@ -69,14 +96,9 @@ def test_dockerfile_installs_the_model_package_without_its_deps() -> None:
     assert 'ENTRYPOINT ["redserve"]' in dockerfile
 
 
-def _manifests() -> dict[tuple[str, str], dict[str, Any]]:
-    kustomization = yaml.safe_load((ROOT / "ops" / "k8s" / "kustomization.yaml").read_text())
-    docs: dict[tuple[str, str], dict[str, Any]] = {}
-    for name in kustomization["resources"]:
-        for doc in yaml.safe_load_all((ROOT / "ops" / "k8s" / name).read_text()):
-            assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
-            docs[(doc["kind"], doc["metadata"]["name"])] = doc
-    return docs
+def _manifests(directory: Path = FIXED) -> dict[tuple[str, str], dict[str, Any]]:
+    """What `kubectl apply -k directory` sends, by kind and name."""
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in render(directory)}
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -84,8 +106,21 @@ def _container(deployment: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def test_kubernetes_manifests_declare_the_serving_topology() -> None:
-    docs = _manifests()
+def _readiness_path(docs: dict[tuple[str, str], dict[str, Any]]) -> str:
+    probe = _container(docs[("Deployment", "redserve-api")])["readinessProbe"]
+    path: str = probe["httpGet"]["path"]
+    return path
+
+
+def _settings(docs: dict[tuple[str, str], dict[str, Any]]) -> Settings:
+    """The ConfigMap as the pods read it: valid settings, not merely known names."""
+    config = docs[("ConfigMap", "redserve")]["data"]
+    return Settings(**{k.removeprefix("REDSERVE_").lower(): v for k, v in config.items()})
+
+
+@pytest.mark.parametrize("directory", [FIXED, AUTOSCALE], ids=["fixed", "autoscale"])
+def test_kubernetes_manifests_declare_the_serving_topology(directory: Path) -> None:
+    docs = _manifests(directory)
     config = docs[("ConfigMap", "redserve")]["data"]
     assert int(config["REDSERVE_DRAIN_GRACE_S"]) == DRAIN_GRACE_S
     for key in config:  # every key is a real setting
@@ -93,7 +128,7 @@ def test_kubernetes_manifests_declare_the_serving_topology() -> None:
     assert "REDIS_URL" in docs[("Secret", "redserve-redis")]["stringData"]
     # Keys are required in a cluster: none is shipped, and nothing turns authentication off.
     assert docs[("Secret", "redserve-api-keys")]["stringData"] == {"REDSERVE_API_KEYS": ""}
-    assert all("NO_AUTH" not in path.read_text() for path in (ROOT / "ops" / "k8s").iterdir())
+    assert all("NO_AUTH" not in path.read_text() for path in K8S.rglob("*.yaml"))
 
     for component in ("api", "worker"):
         deployment = docs[("Deployment", f"redserve-{component}")]
@@ -111,7 +146,6 @@ def test_kubernetes_manifests_declare_the_serving_topology() -> None:
 
     api = docs[("Deployment", "redserve-api")]
     api_container = _container(api)
-    assert api_container["readinessProbe"]["httpGet"]["path"] == "/ready"
     # Liveness must not follow Redis: an outage would restart every replica.
     assert "tcpSocket" in api_container["livenessProbe"]
     assert api_container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
@@ -138,6 +172,173 @@ def test_kubernetes_manifests_declare_the_serving_topology() -> None:
     assert "--metrics-port" in worker_container["args"]
 
 
+def test_the_default_manifests_run_fixed_workers_without_keda() -> None:
+    """`kubectl apply -k ops/k8s` must work on any cluster: no KEDA kinds (their CRDs may not
+    be installed), a worker count of its own, and the API ready only with a live worker."""
+    docs = _manifests(FIXED)
+    assert not [key for key, doc in docs.items() if doc["apiVersion"].startswith("keda.sh/")]
+    assert docs[("Deployment", "redserve-worker")]["spec"]["replicas"] == 2
+    assert _readiness_path(docs) == "/ready"
+    assert "REDSERVE_QUEUE_TIMEOUT_S" not in docs[("ConfigMap", "redserve")]["data"]
+    _settings(docs)
+
+
 def _seconds(duration: str) -> int:
     assert duration.endswith("s")
     return int(duration[:-1])
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields, as the API server's strict field validation
+    (kubectl's default) does, instead of pruning them."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_strict(v) for v in schema]
+    return schema
+
+
+def _schema_errors(doc: dict[str, Any]) -> list[str]:
+    """What the cluster would refuse in `doc`: KEDA's kinds against KEDA's CRD schema, every
+    other kind against Kubernetes' (a kind known to neither fails the test)."""
+    if doc["apiVersion"] == KEDA_API:
+        crd = ROOT / "tests" / "data" / f"keda_{doc['kind'].lower()}_v1alpha1.schema.json"
+        schema = _strict(json.loads(crd.read_text()))
+        validator = jsonschema.Draft202012Validator(schema)
+        return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                for e in validator.iter_errors(doc)]
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"]
+    return []
+
+
+@pytest.mark.parametrize(("directory", "keda_kinds"), [
+    (FIXED, set()),
+    (AUTOSCALE, {"ScaledObject", "TriggerAuthentication"}),  # KEDA's kinds are checked too
+], ids=["fixed", "autoscale"])
+def test_kubernetes_manifests_are_valid_against_the_cluster_schemas(
+    directory: Path, keda_kinds: set[str]
+) -> None:
+    docs = _manifests(directory)
+    assert {kind for (kind, _), doc in docs.items() if doc["apiVersion"] == KEDA_API} == (
+        keda_kinds)
+    errors = {key: found for key, doc in docs.items() if (found := _schema_errors(doc))}
+    assert errors == {}
+
+
+@pytest.mark.parametrize(("kind", "name", "path", "value"), [
+    ("Deployment", "redserve-api", ("spec", "replicas"), "two"),
+    ("HorizontalPodAutoscaler", "redserve-api", ("spec", "minReplica"), 2),  # a typo
+    ("Service", "redserve-api", ("spec", "ports", 0, "port"), "eighty"),
+    ("ScaledObject", "redserve-worker", ("spec", "minReplicaCount"), -1),
+    ("ScaledObject", "redserve-worker", ("spec", "triggers", 0, "metadata", "lagCount"), 8),
+    ("ScaledObject", "redserve-worker", ("spec", "maxReplicas"), 8),  # not KEDA's name
+    ("TriggerAuthentication", "redserve-redis", ("spec", "secretTargetRef", 0, "key"), None),
+])
+def test_the_schema_check_refuses_a_broken_manifest(
+    kind: str, name: str, path: tuple[str | int, ...], value: object
+) -> None:
+    doc = copy.deepcopy(_manifests(AUTOSCALE)[(kind, name)])
+    parent: Any = doc
+    for step in path[:-1]:
+        parent = parent[step]
+    if value is None:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    assert _schema_errors(doc), (kind, name, path)
+
+
+def test_the_autoscale_overlay_adds_keda_and_changes_only_what_zero_workers_need() -> None:
+    fixed, scaled = _manifests(FIXED), _manifests(AUTOSCALE)
+    assert set(scaled) - set(fixed) == {("ScaledObject", "redserve-worker"),
+                                        ("TriggerAuthentication", "redserve-redis")}
+    assert set(fixed) <= set(scaled)
+    changes = {key: diff for key in fixed if (diff := jsonpatch.make_patch(fixed[key],
+                                                                          scaled[key]).patch)}
+    assert changes == {
+        ("Deployment", "redserve-worker"): [{"op": "remove", "path": "/spec/replicas"}],
+        ("Deployment", "redserve-api"): [{
+            "op": "replace", "value": "/health",
+            "path": "/spec/template/spec/containers/0/readinessProbe/httpGet/path"}],
+        ("ConfigMap", "redserve"): [{"op": "add", "path": "/data/REDSERVE_QUEUE_TIMEOUT_S",
+                                     "value": "180"}],
+    }
+
+
+# Each edit of ops/k8s/autoscale/kustomization.yaml breaks one patch (or the layout).
+@pytest.mark.parametrize(("old", "new", "error"), [
+    ("name: redserve-worker}", "name: redserve-workers}", "selects no resource"),
+    ("kind: ConfigMap, name", "kind: Configmap, name", "selects no resource"),
+    ("path: /spec/replicas}", "path: /spec/replica}", "non-existent object 'replica'"),
+    ("path: /data/REDSERVE", "path: /spec/REDSERVE", "member 'spec' not found"),
+    ("path: /spec/template/spec/containers/0/readinessProbe/httpGet/path\n        value: /h",
+     "path: /spec/template/spec/containers/1/readinessProbe/httpGet/path\n        value: /h",
+     "out of bounds"),
+    ("value: /ready\n", "value: /live\n", "is not equal to tested value"),
+    ("- ../base", "- ..", "cycle detected"),  # an overlay inside its base: kustomize refuses it
+], ids=["target", "kind", "remove", "add", "replace", "test", "nested"])
+def test_a_broken_overlay_does_not_render(
+    tmp_path: Path, old: str, new: str, error: str
+) -> None:
+    shutil.copytree(K8S, tmp_path / "k8s")
+    kustomization = tmp_path / "k8s" / "autoscale" / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count(old) == 1, old
+    kustomization.write_text(text.replace(old, new))
+    with pytest.raises(KustomizeError, match=re.escape(error)):
+        render(tmp_path / "k8s" / "autoscale")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (built-in kustomize) absent")
+@pytest.mark.parametrize("directory", [FIXED, AUTOSCALE], ids=["fixed", "autoscale"])
+def test_the_rendering_is_what_kubectl_kustomize_builds(directory: Path) -> None:
+    done = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    built = {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(done.stdout)}
+    assert built == _manifests(directory)
+
+
+def test_workers_scale_from_zero_on_their_models_request_stream() -> None:
+    docs = _manifests(AUTOSCALE)
+    settings = _settings(docs)
+    # A request taken while no worker runs waits through a cold start (schedule, pull, load).
+    assert settings.queue_timeout_s == 180
+    # Not /ready, which needs a live worker: with the workers at zero no API pod would be in
+    # the Service to take the request that starts one.
+    assert _readiness_path(docs) == "/health"
+    worker = docs[("Deployment", "redserve-worker")]
+    assert "replicas" not in worker["spec"]  # KEDA owns the count
+    scaled = docs[("ScaledObject", "redserve-worker")]["spec"]
+    assert scaled["scaleTargetRef"] == {"name": worker["metadata"]["name"]}
+    assert scaled["minReplicaCount"] == 0 < scaled["maxReplicaCount"]
+
+    triggers = {t["name"]: t for t in scaled["triggers"]}
+    stream = Keys(settings.key_prefix).requests(settings.model)  # the default model's name
+    assert all(t["type"] == "redis-streams" and t["metadata"]["stream"] == stream
+               for t in triggers.values())
+    waiting = triggers["waiting"]["metadata"]
+    assert waiting["consumerGroup"] == WORKER_GROUP
+    assert int(waiting["lagCount"]) >= 1 and int(waiting["activationLagCount"]) == 0
+    # Without a consumerGroup KEDA reads the stream's length (with one, the pending entries).
+    outstanding = triggers["outstanding"]["metadata"]
+    assert "consumerGroup" not in outstanding
+    assert 1 <= int(outstanding["streamLength"]) <= settings.max_running
+    assert int(outstanding["activationLagCount"]) == 0  # busy workers are never scaled away
+
+    # KEDA reaches the Redis of REDIS_URL, through the Secret that holds it.
+    secret = docs[("Secret", "redserve-redis")]["stringData"]
+    url = urlsplit(secret["REDIS_URL"])
+    for trigger in triggers.values():
+        assert trigger["metadata"]["databaseIndex"] == (url.path.strip("/") or "0")
+        auth = docs[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
+        refs = {ref["parameter"]: ref for ref in auth["spec"]["secretTargetRef"]}
+        assert {ref["name"] for ref in refs.values()} == {"redserve-redis"}
+        assert secret[refs["address"]["key"]] == f"{url.hostname}:{url.port or 6379}"
+        assert secret[refs["password"]["key"]] == (url.password or "")

@@ -39,6 +39,8 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
     return error  # type: ignore[no-any-return]
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
 CASES = [
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -54,19 +56,41 @@ CASES = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400,
      "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5, "min_tokens": 6}, 400,
+     "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, None),
+                              "response_format": {"type": "json_schema"}}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 3}, 400, None),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "objekt"}}}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-      "stream_options": {"include_usage": True}}, 400, None),
+      "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [WEATHER, WEATHER]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {
+                                  "name": "f", "parameters": {"type": "string"}}}]},
+     400, "tools[0].function"),
+    # A bad parameter schema is refused even when no call is forced, as OpenAI refuses it.
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [WEATHER, {"type": "function", "function": {
+                                  "name": "f", "parameters": {"type": "object", "properties": {
+                                      "a": {"type": "objekt"}}}}}], "tool_choice": "auto"},
+     400, "tools[1].function.parameters"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [WEATHER], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
      404, "model"),
 ]

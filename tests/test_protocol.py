@@ -211,3 +211,34 @@ def test_sse_framing(tiny_stack: Stack) -> None:
     payloads = [orjson.loads(e.split("\n")[1][6:]) for e in events[:-1]]
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 6
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_continuous_usage_stats_put_usage_in_every_chunk(
+    aclient: openai.AsyncOpenAI, kind: str,
+) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (what guidellm sends): with include_usage,
+    every chunk carries the usage so far; the last usage-only chunk still comes."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=_msg("count"), max_tokens=7, temperature=0, stream=True,
+            stream_options=options)  # type: ignore[arg-type]
+    else:
+        stream = await aclient.completions.create(
+            model=MODEL, prompt="count", max_tokens=7, temperature=0, stream=True,
+            stream_options=options)  # type: ignore[arg-type]
+    chunks = [chunk async for chunk in stream]
+    assert all(c.usage is not None for c in chunks)
+    completion = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert completion == sorted(completion) and completion[-1] == 7
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[0].usage.prompt_tokens  # type: ignore[union-attr]
+               and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chunks)
+    assert chunks[-1].choices == [] and len(set(completion)) > 2  # grew as tokens arrived
+    # Without include_usage the flag asks for nothing, as in vLLM.
+    plain = await aclient.chat.completions.create(
+        model=MODEL, messages=_msg("count"), max_tokens=3, temperature=0, stream=True,
+        stream_options={"continuous_usage_stats": True})  # type: ignore[arg-type]
+    plain_chunks = [c async for c in plain]
+    assert plain_chunks and all(c.usage is None for c in plain_chunks)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
@@ -19,18 +17,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def smol_stack(redis_url: str, smollm2: ModelInfo) -> Iterator[Stack]:
-    # fp32: the stack's replies must equal transformers' fp32 `generate` token for token
-    # (tests/test_dtype.py holds the bf16 engine to transformers at bf16).
-    stack = Stack(redis_url, smollm2.path, served_name=MODEL,
-                  env={"REDSERVE_DTYPE": "float32"}).start()
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture(scope="module")
-def client(smol_stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{smol_stack.base_url}/v1", api_key="x", max_retries=0)
+def client(smol_client: openai.OpenAI) -> openai.OpenAI:
+    return smol_client  # this module's tests talk to the real model
 
 
 def test_reply_is_what_generate_says_streamed_or_not(

@@ -6,10 +6,12 @@ import logging
 
 import orjson
 import torch
+from transformers import AutoTokenizer
 
 from shared.models import ModelInfo
 from shared.settings import Settings
 from worker import checkpoint
+from worker.constraint import Constraints
 from worker.dtype import dtype_name, pick_dtype
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool, budget_bytes
@@ -49,7 +51,15 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
         prefix_caching=settings.prefix_caching,
         threads=threads if device.type == "cpu" else None,
     )
-    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
+    return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids,
+                  constraints=build_constraints(info))
+
+
+def build_constraints(info: ModelInfo) -> Constraints:
+    """The grammar compiler, over the model's tokenizer and its logits width."""
+    vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
+    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    return Constraints(tokenizer, max(vocab, len(tokenizer)), info.eos_token_ids)
 
 
 def _synthetic_engine(info: ModelInfo, settings: Settings) -> Engine:

@@ -8,7 +8,8 @@ Requests join and leave between steps. Each step schedules, in order:
 3. new requests from the queue, while the budget, the running cap and the free pages allow;
    each first takes whatever full pages of its prompt the prefix cache holds.
 Then one forward pass runs every chunk, and a token is sampled for each request whose chunk
-reached the end of its tokens.
+reached the end of its tokens, its logits first masked by its grammar when it has one
+(`worker.constraint`).
 
 Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
 `step` runs on the compute thread.
@@ -16,6 +17,7 @@ Not thread-safe by design: the worker service calls `add`/`abort` only between s
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -23,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from shared.messages import FinishReason, GenerateRequest, TokenLogprob
+from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
+from worker.constraint import Constraint, ConstraintError, Constraints, suppress
 from worker.kv_cache import KVPool, KVShape
 from worker.model_runner import Chunk
 from worker.pages import PageManager
@@ -48,6 +51,10 @@ class Runner(Protocol):
 class AdmissionError(ValueError):
     """The request can never run on this worker."""
 
+    def __init__(self, message: str, code: str = "context_length") -> None:
+        super().__init__(message)
+        self.code = code
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -62,6 +69,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in its pages
     num_cached: int = 0  # prompt tokens taken from the prefix cache at first admission
     admitted: bool = False
+    admitted_at: float = 0.0  # unix time of its first admission
+    constraint: Constraint | None = None  # its grammar's matcher, fed every output token
 
     @property
     def num_prompt(self) -> int:
@@ -82,7 +91,18 @@ class StepOutput:
     completion_tokens: int
     logprob: TokenLogprob | None = None
     cached_tokens: int = 0
-    error: str | None = None  # set instead of a token when this request's sampling failed
+    error: Error | None = None  # instead of a token: this request's sampling or grammar failed
+    queued_s: float | None = None  # on a fresh request's first token: created -> admitted
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request's first step was scheduled: it leaves the queue (its queue time ends)."""
+
+    request: GenerateRequest
+    at: float  # unix time
+    resumed: int  # completion tokens an earlier worker had published (0: a fresh request)
+    cached: int  # prompt tokens taken from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -97,8 +117,9 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, runner: Runner, pool: KVPool, config: EngineConfig, *,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], constraints: Constraints | None = None) -> None:
         self.runner = runner
+        self.constraints = constraints  # None: constrained requests are refused
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         runner.attach(pool)
@@ -108,9 +129,17 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order: the last is the newest
         self.num_preempted = 0
-        # Draws for every unseeded sampled request (seeded ones carry their own).
-        self.generator = torch.Generator(device=runner.device)
+        # Since `take_admissions` was last called; bounded for an engine no service drains.
+        self._admissions: deque[Admitted] = deque(maxlen=4096)
+        self.num_generated = 0  # tokens sampled since start (the heartbeat's tokens/s)
+        self.generator = torch.Generator(device=runner.device)  # seeded requests have their own
         self.generator.seed()
+
+    def take_admissions(self) -> list[Admitted]:
+        """Requests that left the queue for their first step since the last call."""
+        admissions = list(self._admissions)
+        self._admissions.clear()
+        return admissions
 
     @property
     def num_requests(self) -> int:
@@ -129,9 +158,11 @@ class Engine:
             seq = next((s for s in self.waiting if s.request.id == request_id), None)
         return seq
 
-    def add(self, request: GenerateRequest, generated: tuple[int, ...] = ()) -> None:
-        """Queue a request; `generated` are tokens an earlier worker already published for
-        it (a resumed request prefills them and goes on from there)."""
+    def add(self, request: GenerateRequest,
+            generated: tuple[int, ...] = ()) -> FinishReason | None:
+        """Queue a request; `generated` are tokens an earlier worker already published for it
+        (a resumed request prefills them and goes on). Returns "stop", queueing nothing, when
+        they complete its grammar already: only its finish entry was lost."""
         params = request.params
         num_prompt = len(request.prompt_ids)
         if num_prompt >= self.config.max_model_len:
@@ -148,6 +179,16 @@ class Engine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_token_ids
+        constraint = None
+        if request.grammar is not None:
+            try:
+                if self.constraints is None:
+                    raise ConstraintError("this worker does not run constrained requests")
+                constraint = self.constraints.start(request.grammar, generated)
+            except ConstraintError as e:
+                raise AdmissionError(str(e), "invalid_grammar") from None
+            if constraint.done:
+                return "stop"
         self.waiting.append(
             Sequence(
                 request=request,
@@ -156,19 +197,18 @@ class Engine:
                 generator=make_generator(params, self.runner.device),
                 stop_ids=frozenset(stop),
                 cache_root=self.pages.root(request.tenant),
+                constraint=constraint,
             )
         )
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages now. True if it was here."""
-        seq = self.running.pop(request_id, None)
+        seq = self.running.pop(request_id, None) or self.find(request_id)
         if seq is None:
-            for i, waiting in enumerate(self.waiting):
-                if waiting.request.id == request_id:
-                    del self.waiting[i]
-                    self._release(waiting)
-                    return True
             return False
+        if seq in self.waiting:  # by identity: a Sequence compares as itself only
+            self.waiting.remove(seq)
         self._release(seq)
         return True
 
@@ -213,10 +253,19 @@ class Engine:
                                seq.cache_root)
             if chunk.sample:
                 sampled.append(seq)
+        self._mask(logits, sampled)
         rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
-        return [self._fail(seq, str(choice)) if isinstance(choice, SamplingError)
-                else self._append(seq, *choice)
+        return [self._fail(seq, f"sampling failed: {choice}", "sampling_failed")
+                if isinstance(choice, SamplingError) else self._append(seq, *choice)
                 for seq, choice in zip(sampled, sample(logits, rows, self.generator), strict=True)]
+
+    def _mask(self, logits: torch.Tensor, sampled: list[Sequence]) -> None:
+        """Grammars and `min_tokens`, on the rows that have them."""
+        suppress(logits, [(i, s.stop_ids) for i, s in enumerate(sampled)
+                          if s.num_output < s.request.params.min_tokens])
+        if self.constraints is not None:
+            self.constraints.apply(logits, [(i, s.constraint) for i, s in enumerate(sampled)
+                                            if s.constraint is not None])
 
     def _schedule_decodes(self) -> list[tuple[Sequence, int]]:
         scheduled: list[tuple[Sequence, int]] = []
@@ -265,6 +314,10 @@ class Engine:
                 break  # for running requests to free pages
             n = self._fit(seq, min(len(seq.tokens) - seq.num_computed, budget))
             self.waiting.popleft()
+            if not seq.admitted:
+                seq.admitted_at = time.time()
+                self._admissions.append(Admitted(seq.request, seq.admitted_at, seq.num_output,
+                                                 seq.num_cached))
             seq.admitted = True
             self.running[seq.request.id] = seq
             scheduled.append((seq, n))
@@ -299,11 +352,21 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.tokens.append(token)
+        self.num_generated += 1
         index = seq.num_output - 1
         finish: FinishReason | None = None
         shown: int | None = token
+        if seq.constraint is not None:
+            try:
+                seq.constraint.advance(token)
+            except ConstraintError as e:
+                seq.tokens.pop()
+                self.num_generated -= 1
+                return self._fail(seq, str(e), "invalid_grammar")
         if token in seq.stop_ids:
             finish, shown = "stop", None
+        elif seq.constraint is not None and seq.constraint.done:
+            finish = "stop"  # the grammar is complete: nothing may follow
         elif seq.num_output >= seq.request.params.max_tokens or len(seq.tokens) >= seq.capacity:
             finish = "length"
         if finish is not None:
@@ -318,14 +381,16 @@ class Engine:
             completion_tokens=seq.num_output,
             logprob=logprob if shown is not None else None,
             cached_tokens=seq.num_cached,
+            # A fresh request's first token tells how long it waited for this worker.
+            queued_s=max(seq.admitted_at - seq.request.created, 0.0) if index == 0 else None,
         )
 
-    def _fail(self, seq: Sequence, error: str) -> StepOutput:
-        """End one request whose sampling failed; the rest of the batch is unharmed."""
+    def _fail(self, seq: Sequence, message: str, code: str) -> StepOutput:
+        """End one request whose sampling or grammar failed; the rest of the batch is unharmed."""
         del self.running[seq.request.id]
         self._release(seq)
         return StepOutput(seq.request.id, seq.num_output, None, None, seq.num_prompt,
-                          seq.num_output, error=error)
+                          seq.num_output, error=Error(message, "invalid_request_error", code))
 
     def _release(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)

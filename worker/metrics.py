@@ -1,39 +1,198 @@
-"""Prometheus metrics of one worker, served on `--metrics-port`: the same leak audit as the
-API's from outside — running and waiting return to zero and every KV page to the pool (or to
-the prefix cache, which holds no request)."""
+"""Prometheus metrics of one worker, served on `--metrics-port`, and its per-request log events.
+
+Two jobs, as on the API. The leak audit from outside: running and waiting return to zero and
+every KV page to the pool (or to the prefix cache, which holds no request). And what an
+operator watches: queue time, time to first token, the gap between a request's tokens and
+end-to-end latency as histograms; the batch, the KV pool and the prefix cache's hit rate as
+gauges; tokens generated, preemptions, finish reasons and aborts by cause as counters.
+
+Every request timing starts at the request's `created` (unix time, set by the API replica that
+accepted it): queue time ends when the engine schedules its first step, TTFT and the token
+gaps are taken when the pipeline carrying its tokens has been written, end-to-end when its
+terminal entry has. Across machines that assumes synchronised clocks (a negative figure from
+skew counts as 0). What the engine counts anyway (preemptions, tokens) is read at scrape time,
+so the step loop pays nothing for it; per request, the cost is a histogram observation per
+published token and one dictionary entry, dropped when the request ends or is handed back.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
-from worker.engine import Engine
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
+from shared.logs import log_event
+from worker.engine import Admitted, Engine
+
+log = logging.getLogger("redserve.worker.requests")
+
+
+# Outcomes (finish reason or error code) that mean the request was cut short, by cause.
+ABORT_CAUSES = {
+    "abort": "client",  # its abort key: a client gone, the cancel route, a stop string
+    "request_timeout": "deadline",
+    "queue_timeout": "queue_timeout",
+    "worker_failed": "max_deliveries",
+    "redis_unavailable": "redis_lost",
+    "internal_error": "step_failed",
+}
+
+
+@dataclass
+class Clock:
+    """One request's times on this worker, from its admission until its terminal entry."""
+
+    created: float
+    queue_s: float | None  # None: resumed from another worker's tokens
+    ttft_s: float | None = None
+    last: float | None = None  # when its last tokens were written
+    tokens: int = 0  # tokens this worker published for it
+
+
+class _EngineTotals(Collector):
+    """Counters the engine keeps as plain integers, read at scrape time."""
+
+    def __init__(self, totals: dict[str, tuple[str, Callable[[], int]]]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (documentation, read) in self.totals.items():
+            yield CounterMetricFamily(name, documentation, value=read())
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model: str = "", worker: str = "") -> None:
+        self.model = model
+        self.worker = worker
         self.registry = CollectorRegistry()
         r = self.registry
-        Gauge("redserve_worker_running_requests", "Requests in the running batch",
-              registry=r).set_function(lambda: len(engine.running))
-        Gauge("redserve_worker_waiting_requests", "Requests taken but not yet admitted",
-              registry=r).set_function(lambda: len(engine.waiting))
-        Gauge("redserve_worker_kv_pages_used", "KV pages referenced by requests",
-              registry=r).set_function(lambda: engine.pages.in_use)
-        Gauge("redserve_worker_kv_pages_cached", "KV pages held only by the prefix cache",
-              registry=r).set_function(lambda: engine.pages.cached)
-        Gauge("redserve_worker_kv_pages_total", "KV pages in the pool",
-              registry=r).set_function(lambda: engine.pages.num_pages)
+        pages = engine.pages
+        for name, doc, read in (
+            ("running_requests", "Requests in the running batch", lambda: len(engine.running)),
+            ("waiting_requests", "Requests taken but not yet admitted",
+             lambda: len(engine.waiting)),
+            ("kv_pages_used", "KV pages referenced by requests", lambda: pages.in_use),
+            ("kv_pages_cached", "KV pages held only by the prefix cache", lambda: pages.cached),
+            # As in the heartbeat: what a new request can take, cached pages included.
+            ("kv_pages_free", "KV pages no request references (empty, or held only by the "
+             "prefix cache and evictable)", lambda: pages.available),
+            ("kv_pages_total", "KV pages in the pool", lambda: pages.num_pages),
+            ("kv_usage_ratio", "Fraction of the KV pool referenced by requests",
+             lambda: pages.in_use / max(pages.num_pages, 1)),
+            ("prefix_cache_hit_ratio", "Prompt tokens taken from the prefix cache over prompt "
+             "tokens admitted, since start", self._hit_ratio),
+        ):
+            Gauge(f"redserve_worker_{name}", doc, registry=r).set_function(read)
+        r.register(_EngineTotals({
+            "redserve_worker_preemptions_total": (
+                "Requests preempted (pages ran out; recomputed later)",
+                lambda: engine.num_preempted),
+            "redserve_worker_generated_tokens_total": (
+                "Tokens sampled (rate: output tokens/s)", lambda: engine.num_generated),
+        }))
+        self.prompt_tokens = Counter("redserve_worker_prompt_tokens_total",
+                                     "Prompt tokens of requests admitted", registry=r)
+        self.cached_tokens = Counter("redserve_worker_cached_prompt_tokens_total",
+                                     "Prompt tokens of requests admitted that came from the "
+                                     "prefix cache", registry=r)
+        self._prompt_total = 0
+        self._cached_total = 0
         self.steps = Counter("redserve_worker_steps_total", "Forward steps run", registry=r)
         self.step_failures = Counter("redserve_worker_step_failures_total",
                                      "Steps that raised; their requests ended with an error",
                                      registry=r)
+        self.step_time = Histogram("redserve_worker_step_seconds", "Duration of one forward "
+                                   "step (a decode token of every running request)",
+                                   buckets=TOKEN_GAP_BUCKETS, registry=r)
         self.finished = Counter("redserve_worker_requests_finished_total",
-                                "Requests ended by this worker, by how", ["outcome"], registry=r)
-        self.preempted = Gauge("redserve_worker_preemptions", "Requests preempted so far "
-                               "(pages ran out; recomputed later)", registry=r)
-        self.preempted.set_function(lambda: engine.num_preempted)
+                                "Requests ended by this worker, by how: finish reason or error "
+                                "code", ["model", "outcome"], registry=r)
+        self.aborts = Counter("redserve_worker_aborts_total", "Requests this worker cut short, "
+                              "by cause", ["model", "cause"], registry=r)
         self.handed_back = Counter("redserve_worker_requests_handed_back_total",
                                    "Requests returned to the queue on shutdown", registry=r)
+        self._queue = Histogram(
+            "redserve_worker_queue_seconds", "Created to the first step on this worker",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self._ttft = Histogram(
+            "redserve_worker_time_to_first_token_seconds", "Created to the first token "
+            "written to Redis", ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self._itl = Histogram(
+            "redserve_worker_inter_token_seconds", "Gap between one request's tokens as "
+            "written to Redis", ["model"], buckets=TOKEN_GAP_BUCKETS, registry=r).labels(model)
+        self._e2e = Histogram(
+            "redserve_worker_request_duration_seconds", "Created to the terminal entry "
+            "written to Redis", ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self._clocks: dict[str, Clock] = {}
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+    def _hit_ratio(self) -> float:
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
+    def admitted(self, admissions: Iterable[Admitted]) -> None:
+        for a in admissions:
+            req, prompt = a.request, len(a.request.prompt_ids)
+            self._prompt_total += prompt
+            self._cached_total += a.cached
+            self.prompt_tokens.inc(prompt)
+            self.cached_tokens.inc(a.cached)
+            queue_s = None if a.resumed else max(a.at - req.created, 0.0)
+            if queue_s is not None:
+                self._queue.observe(queue_s)
+            self._clocks[req.id] = Clock(req.created, queue_s)
+            log_event(log, "request.admitted", request_id=req.id, model=self.model,
+                      worker=self.worker, queue_s=round_s(queue_s), prompt_tokens=prompt,
+                      cached_tokens=a.cached, resumed_tokens=a.resumed)
+
+    def published(self, request_ids: Iterable[str], now: float) -> None:
+        """Tokens of these requests were written at `now` (one entry each)."""
+        for request_id in request_ids:
+            clock = self._clocks.get(request_id)
+            if clock is not None:
+                self._tick(clock, now)
+
+    def _tick(self, clock: Clock, now: float) -> None:
+        clock.tokens += 1
+        if clock.last is not None:
+            self._itl.observe(now - clock.last)
+        elif clock.queue_s is not None:  # its first token, unless another worker's came first
+            clock.ttft_s = max(now - clock.created, 0.0)
+            self._ttft.observe(clock.ttft_s)
+        clock.last = now
+
+    def ending(self, request_id: str) -> Clock | None:
+        """A terminal entry is staged: its clock goes with the entry."""
+        return self._clocks.pop(request_id, None)
+
+    def ended(self, request_id: str, clock: Clock | None, outcome: str, tokens: int | None,
+              carried_tokens: bool, now: float) -> None:
+        """Its terminal entry is written (`carried_tokens`: with the last tokens): counted
+        only now, since an ending staged before an outage may be dropped for another worker
+        that claimed the request to write (it counts it then)."""
+        self.finished.labels(self.model, outcome).inc()
+        cause = ABORT_CAUSES.get(outcome)
+        if cause is not None:
+            self.aborts.labels(self.model, cause).inc()
+        if clock is None:  # ended before it was admitted here (a queue timeout, say)
+            return
+        if carried_tokens:
+            self._tick(clock, now)
+        e2e = max(now - clock.created, 0.0)
+        self._e2e.observe(e2e)
+        log_event(log, "request.finished", request_id=request_id, model=self.model,
+                  worker=self.worker, outcome=outcome,
+                  tokens=clock.tokens if tokens is None else tokens,
+                  queue_s=round_s(clock.queue_s), ttft_s=round_s(clock.ttft_s),
+                  e2e_s=round_s(e2e))
+
+    def hand_back(self, request_id: str) -> None:
+        self.handed_back.inc()
+        self._clocks.pop(request_id, None)
+

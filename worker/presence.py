@@ -8,6 +8,12 @@ Every `heartbeat_ttl_s / 3` seconds, in one place:
   of entries abandoned by dead workers;
 - the abort keys of every request it holds, which catches any announcement it missed.
 Each part fails on its own (logged), so a Redis hiccup never stops the beat.
+
+The status key's body is what an operator sees of the worker (`/health`, `redserve inspect`):
+the worker's own figures (batch, KV pages, its cumulative `generated_tokens`) plus what only the
+beat can tell: when it was written (`at`, unix time, so a reader computes the heartbeat's age
+without knowing this worker's TTL) and `tokens_per_s` over the interval since the previous beat.
+The rate is worked out here, from two beats, so the step loop pays nothing for it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -38,7 +44,7 @@ class Presence:
     name: str
     model: str
     ttl_s: int
-    status: Callable[[], dict[str, Any]]  # the body of the status key
+    status: Callable[[], dict[str, Any]]  # the body of the status key (with generated_tokens)
     room: Callable[[], int]  # requests the worker can still take
     held: Callable[[], list[str]]  # ids of the requests it holds
     publisher: Publisher
@@ -46,6 +52,8 @@ class Presence:
     intake: Intake
     aborts: AbortWatch
     draining: bool = False
+    # (monotonic time, generated_tokens) at the previous beat: the rate's starting point.
+    _last: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0), init=False)
 
     async def run(self) -> None:
         while True:
@@ -76,7 +84,9 @@ class Presence:
     async def beat(self) -> None:
         """Announce this worker: its status key, and its place among the model's live
         workers unless it is draining."""
-        body = {**self.status(), "model": self.model, "draining": self.draining}
+        status = self.status()
+        body = {**status, "model": self.model, "draining": self.draining,
+                "at": round(time.time(), 3), "tokens_per_s": self._rate(status["generated_tokens"])}
         workers = self.keys.workers(self.model)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.worker(self.name), orjson.dumps(body), ex=self.ttl_s)
@@ -86,6 +96,13 @@ class Presence:
             pipe.zadd(workers, {self.name: time.time() + self.ttl_s})
             pipe.expire(workers, self.ttl_s * 3)
         await self._part("send the heartbeat", pipe.execute)
+
+    def _rate(self, generated: int) -> float:
+        """Tokens generated per second since the previous beat."""
+        now = time.monotonic()
+        then, before = self._last
+        self._last = (now, generated)
+        return round((generated - before) / (now - then), 2) if now > then else 0.0
 
     async def leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

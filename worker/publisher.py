@@ -27,7 +27,7 @@ then on nothing refreshes it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -37,6 +37,7 @@ from shared.keys import WORKER_GROUP, Keys, replica_of
 from shared.messages import Error, Finish, GenerateRequest, RequestState, Tokens, feed_fields
 from shared.settings import Settings
 from worker.engine import StepOutput
+from worker.metrics import Clock, WorkerMetrics
 
 BATCH_S = 0.5
 RESULTS_LOST = Error("some of the request's results were lost when Redis failed",
@@ -83,6 +84,7 @@ class Ending:
     fields: dict[str, str]
     state: dict[str, str]
     expires: float  # unix time past which its keys are gone anyway: stop retrying
+    clock: Clock | None = None  # its times, observed once it is written
 
 
 @dataclass
@@ -109,12 +111,12 @@ class Staged:
 
 class Publisher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, settings: Settings,
-                 name: str, on_end: Callable[[str], None] = lambda outcome: None) -> None:
+                 name: str, metrics: WorkerMetrics | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
         self.name = name
-        self.on_end = on_end
+        self.metrics = metrics
         self.requests_key = keys.requests(model)
         self.queued_key = keys.queued(model)
         # request id -> its pending entry in the request stream, until its terminal entry is
@@ -154,17 +156,19 @@ class Publisher:
         repeat, and a request that already published tokens resumes from them."""
         self._expires.pop(request_id, None)
         self._staged.hand_backs.append((request_id, self.entry_ids.pop(request_id)))
+        if self.metrics is not None:
+            self.metrics.hand_back(request_id)
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
         for out in outputs:
             if out.error is not None:
-                self.stage_error(out.request_id, Error(
-                    f"sampling failed: {out.error}", "invalid_request_error", "sampling_failed"))
+                self.stage_error(out.request_id, out.error)
                 continue
             tokens = None
             if out.token is not None:
                 logprobs = (out.logprob,) if out.logprob is not None else None
-                tokens = Tokens(out.index, (out.token,), logprobs)
+                queued_ms = None if out.queued_s is None else round(out.queued_s * 1000)
+                tokens = Tokens(out.index, (out.token,), logprobs, queued_ms)
             if out.finish is None:
                 if tokens is not None:
                     self._xadd(out.request_id, tokens.to_fields())
@@ -209,6 +213,9 @@ class Publisher:
         except aioredis.RedisError:
             self._failed(staged)
             raise
+        if self.metrics is not None:
+            self.metrics.published((request_id for request_id, _ in staged.tokens),
+                                   time.time())
         self._written(staged.endings)
         if batch_now and self._batch:  # what those endings freed, now rather than later
             await self.flush(batch_now=True)
@@ -308,10 +315,16 @@ class Publisher:
 
     def _written(self, endings: list[Ending]) -> None:
         """Terminal entries now in Redis: their requests' stream entries are done."""
+        now = time.time()
         for ending in endings:
             entry_id = self.entry_ids.pop(ending.request_id, None)
             if entry_id is not None:
                 self._batch.acks.append(entry_id)
+            if self.metrics is not None:
+                fields = ending.fields
+                tokens = fields.get("completion_tokens")
+                self.metrics.ended(ending.request_id, ending.clock, _outcome(fields),
+                                   None if tokens is None else int(tokens), "ids" in fields, now)
 
     def _xadd(self, request_id: str, fields: dict[str, str]) -> None:
         self._staged.tokens.append((request_id, fields))
@@ -321,10 +334,15 @@ class Publisher:
         if request_id in self.gapped:
             self.gapped.discard(request_id)
             fields, state, extra = RESULTS_LOST.to_fields(), RequestState.ERROR, {}
-        self.on_end(fields.get("finish_reason") or fields["code"])
+        clock = None if self.metrics is None else self.metrics.ending(request_id)
         expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
         self._staged.endings.append(Ending(request_id, fields, {"state": state, **extra},
-                                           expires))
+                                           expires, clock))
+
+
+def _outcome(fields: dict[str, str]) -> str:
+    """A terminal entry's finish reason, or its error code."""
+    return fields.get("finish_reason") or fields["code"]
 
 
 def _chunks(items: list[str], size: int = 512) -> list[list[str]]:

@@ -53,12 +53,10 @@ class WorkerService:
         self.engine = engine
         self.clients = clients
         self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-        self.metrics = WorkerMetrics(engine)
+        self.metrics = WorkerMetrics(engine, info.name, self.name)
         keys = Keys(settings.key_prefix)
-        self.publisher = Publisher(
-            clients.commands, keys, info.name, settings, self.name,
-            on_end=lambda outcome: self.metrics.finished.labels(outcome).inc(),
-        )
+        self.publisher = Publisher(clients.commands, keys, info.name, settings, self.name,
+                                   metrics=self.metrics)
         self.aborts = AbortWatch(keys)
         self.recovery = Recovery(clients.commands, keys, info.name, self.name,
                                  reclaim_after_s=2 * settings.heartbeat_ttl_s)
@@ -79,6 +77,9 @@ class WorkerService:
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
             "kv_pages_free": self.engine.pages.available,
+            "kv_pages_used": self.engine.pages.in_use,
+            "kv_pages_cached": self.engine.pages.cached,
+            "generated_tokens": self.engine.num_generated,
             "kv_pages_total": self.engine.pages.num_pages,
             "device": str(self.engine.runner.device),
             "dtype": dtype_name(self.engine.runner.kv_shape.dtype),
@@ -167,12 +168,17 @@ class WorkerService:
         if fault is not None and any(fault in s.request.prompt_ids
                                      for s in self.engine.running.values()):
             raise RuntimeError(f"injected fault (prompt token {fault})")
-        return self.engine.step()
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.step_time.observe(time.perf_counter() - started)
+        return outputs
 
     async def _finish_step(self, step: asyncio.Task[list[StepOutput]]) -> list[StepOutput]:
         try:
             outputs = await step
         except Exception as e:  # a failed forward must not take the worker down
+            # Its new requests are known before they are ended below.
+            self.metrics.admitted(self.engine.take_admissions())
             # The exception's text stays in the log: it may name internals.
             log.exception("step failed (%s); ending the requests in it", type(e).__name__)
             self.metrics.step_failures.inc()
@@ -180,6 +186,7 @@ class WorkerService:
             for seq in self.engine.drop_running():
                 self.publisher.stage_error(seq.request.id, Error(message))
             return []
+        self.metrics.admitted(self.engine.take_admissions())
         self.metrics.steps.inc()
         return outputs
 
@@ -216,14 +223,17 @@ class WorkerService:
                 self.publisher.stage([StepOutput(req.id, len(generated), None, "length",
                                                  len(req.prompt_ids), len(generated))])
                 continue
-            error = self._refusal(claimed)
+            error, finish = self._refusal(claimed), None
             if error is None:
                 try:
-                    self.engine.add(req, generated)
+                    finish = self.engine.add(req, generated)
                 except AdmissionError as e:
-                    error = Error(str(e), "invalid_request_error", "context_length")
+                    error = Error(str(e), "invalid_request_error", e.code)
             if error is not None:
                 self.publisher.stage_error(req.id, error)
+            elif finish is not None:  # its tokens complete its grammar: only the finish was lost
+                self.publisher.stage([StepOutput(req.id, len(generated), None, finish,
+                                                 len(req.prompt_ids), len(generated))])
             else:
                 self.publisher.stage_running(req.id)
 
@@ -252,10 +262,8 @@ class WorkerService:
         for claimed in self.intake.take():
             self.publisher.take(claimed.request, claimed.entry_id)
             self.publisher.stage_hand_back(claimed.request.id)
-            self.metrics.handed_back.inc()
         for seq in self.engine.drop_waiting(unstarted_only=True):
             self.publisher.stage_hand_back(seq.request.id)
-            self.metrics.handed_back.inc()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.drain_grace_s
         while self.engine.has_work() and loop.time() < deadline:
@@ -275,7 +283,6 @@ class WorkerService:
         for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
             if seq.request.id in self.publisher.entry_ids:
                 self.publisher.stage_hand_back(seq.request.id)
-                self.metrics.handed_back.inc()
         try:
             await self.publisher.flush(batch_now=True)
         except aioredis.RedisError as e:

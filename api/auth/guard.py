@@ -1,6 +1,7 @@
-"""The door of every `/v1/` route, before any of the body is read: the caller's API key
-(401 without a valid one) and the body's size (413 past `max_body_bytes`). Headers past
-`MAX_HEADER_BYTES` are refused on every route (431) before anything looks at them.
+"""The door of every `/v1/` route, and of vLLM's `/tokenize` and `/detokenize` at the root,
+before any of the body is read: the caller's API key (401 without a valid one) and the body's
+size (413 past `max_body_bytes`). Headers past `MAX_HEADER_BYTES` are refused on every route
+(431) before anything looks at them.
 
 A pure ASGI middleware rather than a FastAPI dependency, because FastAPI reads and parses the
 whole body before it resolves dependencies: a stranger, or an oversized body, would cost the
@@ -23,6 +24,9 @@ from api.auth.keys import APIKeys
 from api.errors import error_body
 
 GUARDED = "/v1/"
+# Routes outside /v1/ that take a body and spend the replica's time on it: vLLM serves its
+# tokenizer at the root, so redserve does too.
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 MAX_HEADER_BYTES = 64 * 1024
 # The body was not read to its end: the connection cannot carry another request.
 _CLOSE = [(b"connection", b"close")]
@@ -45,7 +49,7 @@ class Guard:
                 f"the request headers are larger than the limit of {MAX_HEADER_BYTES} bytes",
                 "invalid_request_error", None, "headers_too_large"), _CLOSE)
             return
-        if not scope["path"].startswith(GUARDED):
+        if not (scope["path"].startswith(GUARDED) or scope["path"] in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}

@@ -1,0 +1,84 @@
+"""A reply as one JSON object: every choice collected to its end, unless the client hangs up
+first (then closing the choices aborts their work)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+
+from api.choices import Choice
+from api.errors import APIError
+from api.replies.merge import entries, logprobs_of, usage_of
+from api.responses import ResponseFormat, WholeChoice
+from shared.messages import Finish, Tokens
+
+# Worker error codes that are the client's fault or a capacity problem, not a server bug.
+ERROR_STATUS = {
+    "context_length": 400,
+    "invalid_grammar": 400,
+    "model_not_found": 404,
+    "queue_timeout": 503,
+    "worker_shutdown": 503,
+    "server_shutdown": 503,
+    "request_timeout": 504,
+    "redis_unavailable": 503,
+    "sampling_failed": 400,
+}
+
+
+async def collect_unless_disconnected(
+    request: Request, choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+) -> dict[str, Any]:
+    """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
+    while collecting, and stop (closing then aborts the work) as soon as it comes."""
+    collect = asyncio.create_task(_collect(choices, fmt, prompt_tokens))
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+    if collect.cancelled():
+        return {}  # nobody is listening for this reply
+    return collect.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+                   ) -> dict[str, Any]:
+    texts: dict[int, list[str]] = {c.index: [c.prefix] for c in choices}
+    logprobs: dict[int, list[Any]] = {c.index: [] for c in choices}
+    calls: dict[int, list[dict[str, Any]]] = {c.index: [] for c in choices}
+    async for choice, entry in entries(choices):
+        if choice.finish_reason is not None:
+            continue
+        if isinstance(entry, Tokens):
+            text, items, made = choice.on_tokens(entry)
+            texts[choice.index].append(text)
+            logprobs[choice.index] += items
+            calls[choice.index] += [c.as_openai() for c in made]
+            if choice.finish_reason is not None:
+                await choice.generation.close("stop")
+        elif isinstance(entry, Finish):
+            tail, made = choice.on_finish(entry)
+            texts[choice.index].append(tail)
+            calls[choice.index] += [c.as_openai() for c in made]
+        else:
+            raise APIError(ERROR_STATUS.get(entry.code, 500), entry.message, type=entry.type,
+                           code=entry.code)
+    missing = [c.index for c in choices if c.finish_reason is None]
+    if missing:
+        raise APIError(500, "result stream ended without a terminal entry", type="server_error")
+    whole: list[WholeChoice] = [
+        ("".join(texts[c.index]), c.finish_reason or "stop",
+         logprobs_of(fmt, logprobs[c.index], len(c.prefix)), calls[c.index])
+        for c in choices
+    ]
+    return fmt.whole(whole, usage_of(choices, prompt_tokens))

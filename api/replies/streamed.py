@@ -1,0 +1,115 @@
+"""A reply as server-sent events: a role chunk, then text (and tool-call) deltas as tokens
+arrive, each choice's finish, the usage if asked, and `[DONE]`. Each event is numbered, so a
+client that lost the connection can resume after the last one it saw (`api.resume`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import orjson
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from api.choices import Choice
+from api.errors import error_body
+from api.replies.merge import close_all, entries, logprobs_of, usage_of
+from api.responses import ResponseFormat
+from api.tools.parse import ParsedCall
+from shared.messages import Error, Finish, Tokens
+
+# Where a stream reports usage: nowhere, in one last chunk (`include_usage`), or also in every
+# chunk as it stands so far (vLLM's `continuous_usage_stats`, which load testers read).
+UsageMode = Literal["off", "final", "every"]
+
+
+def usage_mode(include_usage: bool, continuous: bool) -> UsageMode:
+    return "every" if include_usage and continuous else "final" if include_usage else "off"
+
+
+def sse(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, mode: UsageMode,
+        headers: dict[str, str], after: int = 0) -> Response:
+    return EventSourceResponse(
+        _numbered(_stream(choices, fmt, prompt_tokens, mode), after),
+        headers=headers, sep="\n", ping=15,
+        background=BackgroundTask(close_all, choices),
+    )
+
+
+async def _numbered(events: AsyncIterator[ServerSentEvent], after: int
+                    ) -> AsyncIterator[ServerSentEvent]:
+    """Give each event its ordinal as `id:`, and skip those a resuming client has seen."""
+    n = 0
+    async for event in events:
+        n += 1
+        if n > after:
+            event.id = str(n)
+            yield event
+
+
+def _sse_event(payload: dict[str, Any] | str) -> ServerSentEvent:
+    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
+    return ServerSentEvent(data=data, sep="\n")
+
+
+def _final_text(fmt: ResponseFormat) -> str | None:
+    return None if fmt.kind == "chat" else ""
+
+
+async def _stream(
+    choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, mode: UsageMode
+) -> AsyncIterator[ServerSentEvent]:
+    offsets = {c.index: len(c.prefix) for c in choices}
+    called = {c.index: 0 for c in choices}  # tool calls sent so far, per choice
+    failed = False
+
+    def _event(payload: dict[str, Any]) -> ServerSentEvent:
+        if mode == "every":
+            payload["usage"] = usage_of(choices, prompt_tokens)
+        return _sse_event(payload)
+
+    def _calls(choice: Choice, calls: list[ParsedCall]) -> ServerSentEvent:
+        # Each call whole in one delta: name, id and all of its arguments.
+        first = called[choice.index]
+        called[choice.index] += len(calls)
+        return _event(fmt.chunk(choice.index, None, tool_calls=[
+            call.as_openai(first + k) for k, call in enumerate(calls)]))
+
+    try:
+        for c in choices:
+            if fmt.kind == "chat":
+                yield _event(fmt.chunk(c.index, "", role=True))
+            elif c.prefix:
+                yield _event(fmt.chunk(c.index, c.prefix))
+        async for choice, entry in entries(choices):
+            if choice.finish_reason is not None:
+                continue  # ended here by a stop string; the worker's late entries are moot
+            if isinstance(entry, Tokens):
+                text, items, calls = choice.on_tokens(entry)
+                if text or items:
+                    yield _event(fmt.chunk(choice.index, text,
+                                           logprobs=logprobs_of(fmt, items,
+                                                                offsets[choice.index])))
+                    offsets[choice.index] += len(text)
+                if calls:
+                    yield _calls(choice, calls)
+                if choice.finish_reason is not None:
+                    yield _event(fmt.chunk(choice.index, _final_text(fmt), choice.finish_reason))
+                    await choice.generation.close("stop")  # tells the worker to stop now
+            elif isinstance(entry, Finish):
+                tail, calls = choice.on_finish(entry)
+                if tail:
+                    yield _event(fmt.chunk(choice.index, tail))
+                if calls:
+                    yield _calls(choice, calls)
+                yield _event(fmt.chunk(choice.index, _final_text(fmt), choice.finish_reason))
+            elif isinstance(entry, Error):
+                yield _sse_event(error_body(entry.message, entry.type, None, entry.code))
+                failed = True
+                break
+        if mode != "off" and not failed:
+            yield _sse_event(fmt.usage_chunk(usage_of(choices, prompt_tokens)))
+        yield _sse_event("[DONE]")
+    finally:
+        await close_all(choices)

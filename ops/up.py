@@ -1,0 +1,191 @@
+"""`redserve up`: the whole system as one supervised process tree on this machine.
+
+Redis (embedded unless `REDIS_URL` is set), then every worker and API replica as children of
+`ops.supervisor`, each started with its own `redserve` command line, so `up` runs exactly what
+pods run. `ready` is logged only once every replica answers and counts a live worker for every
+model: that is what a user waits for before sending a request. What `up` says goes through
+logging like everything its children say (`--log-format json`: one JSON object a line, all of
+it), and the children are told to log as `up` was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import httpx
+
+from ops.options import LOGGING, console, model_specs, settings_from
+from ops.supervisor import ChildSpec, Supervisor
+from shared.models import ModelInfo, ModelNotFound, resolve_models
+from shared.settings import Settings
+
+# `up` names each model on its children's command lines; the same settings in its environment
+# would add to them.
+_MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_FILE")
+log = logging.getLogger("redserve.up")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    host = args.host or "127.0.0.1"
+    settings = settings_from(args, "port", "model", "served_model_name", "models_file",
+                         "api_keys_file", "no_auth", *LOGGING)
+    auth_env = _auth_env(settings, host)
+    specs = model_specs(settings)
+    preparing = "preparing the model(s) (the first start converts the default one)"
+    # A spinner is for a person at a terminal; a log collector gets a line.
+    if settings.log_format == "json":
+        log.info(preparing)
+    with (console.status(preparing) if settings.log_format == "text"
+          else contextlib.nullcontext()):
+        try:
+            infos = resolve_models(specs, settings.cache_dir)
+        except ModelNotFound as e:
+            log.error("%s", e)
+            return 2
+    for info in infos:
+        log.info("model %s at %s", info.name, info.path)
+    from ops.embedded_redis import EmbeddedRedis
+
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    embedded: EmbeddedRedis | None = None
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _MODEL_ENV}
+    env.update(auth_env)
+    if settings.redis_url is None:
+        embedded = EmbeddedRedis()
+        env["REDIS_URL"] = embedded.start()
+        log.info("embedded Valkey at %s", env["REDIS_URL"])
+    ports = [settings.port + i for i in range(args.replicas)]
+    children = _up_children(args, infos, host, ports, settings)
+
+    supervisor = Supervisor(children, env)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    local = f"[{local}]" if ":" in local else local
+    names = [info.name for info in infos]
+    ready, next_probe = False, 0.0
+    try:
+        supervisor.start()
+        while not stop["signal"]:
+            supervisor.poll()
+            if not ready and time.monotonic() >= next_probe:
+                ready = all(_replica_ready(f"http://{local}:{port}", names) for port in ports)
+                next_probe = time.monotonic() + 0.5
+                if ready:
+                    urls = [f"http://{host}:{port}/v1" for port in ports]
+                    log.info("ready: %s (model%s %s; %d worker%s%s); Ctrl-C stops everything",
+                             ", ".join(urls), "s" if len(names) > 1 else "", ", ".join(names),
+                             args.workers, "s" if args.workers > 1 else "",
+                             " each" if len(names) > 1 else "",
+                             extra={"fields": {"event": "up.ready", "urls": urls,
+                                               "models": names,
+                                               "workers_per_model": args.workers}})
+            time.sleep(0.2)
+        log.info("stopping: the replicas and workers drain",
+                 extra={"fields": {"event": "up.stopping", "signal": stop["signal"]}})
+    finally:
+        # Past their own drain, children are killed.
+        supervisor.stop(grace=settings.drain_grace_s + 10)
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
+                 ports: list[int], settings: Settings) -> list[ChildSpec]:
+    """`--workers` workers per model, each with its share of the cores, then the replicas,
+    each serving every model; all of them log as `up` was told to."""
+    from worker.threads import usable_cpus
+
+    processes = args.workers * len(infos)
+    cores = usable_cpus()
+    if args.threads is None and "REDSERVE_THREADS" not in os.environ:
+        args.threads = max(1, cores // processes)
+    if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
+        args.decode_threads = max(1, (cores - 1) // processes)
+    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+             ("decode_threads", "--decode-threads"),
+             ("max_running", "--max-running"),
+             ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
+             ("max_prefill_tokens", "--max-prefill-tokens"))
+    worker_flags = [f for name, flag in flags
+                    if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
+    logs = ["--log-format", settings.log_format, "--log-level", settings.log_level]
+    if settings.log_request_text:
+        logs.append("--log-request-text")
+    me = (sys.executable, "-m", "ops.cli")
+    children = []
+    for m, info in enumerate(infos):
+        for i in range(args.workers):
+            # Stable across restarts: a restarted worker takes back what is pending under it.
+            name = f"{socket.gethostname()}-up{os.getpid()}-{m}-{i}"
+            children.append(ChildSpec(f"worker {name} ({info.name})", (
+                *me, "worker", "--model", str(info.path), "--served-model-name", info.name,
+                "--name", name, *worker_flags, *logs)))
+    every_model = [f for info in infos for f in ("--model", f"{info.name}={info.path}")]
+    access = ["--access-log"] if settings.access_log else []
+    return children + [ChildSpec(f"API replica :{port}", (
+        *me, "api", "--host", host, "--port", str(port), *every_model, *logs, *access))
+        for port in ports]
+
+
+def _replica_ready(base_url: str, models: list[str]) -> bool:
+    """The replica answers /health and a live worker serves each of `models`."""
+    try:
+        if httpx.get(f"{base_url}/health", timeout=1.0).status_code != 200:
+            return False
+        # 503 still lists the models when some have no worker yet.
+        body = httpx.get(f"{base_url}/ready", timeout=1.0).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return serves_all(body, models)
+
+
+def serves_all(ready_body: object, models: list[str]) -> bool:
+    """Whether a /ready answer counts a live worker for each of `models`."""
+    live = ready_body.get("models") if isinstance(ready_body, dict) else None
+    return isinstance(live, dict) and all(
+        isinstance(live.get(m), int) and live[m] >= 1 for m in models)
+
+
+def _auth_env(settings: Settings, host: str) -> dict[str, str]:
+    """What the replicas need to know about authentication; exits if keys are required and
+    none is set."""
+    from api.auth.keys import APIKeys, AuthConfigError
+
+    try:
+        keys = APIKeys.load(settings.api_keys, settings.api_keys_file)
+    except AuthConfigError as e:
+        log.error("%s", e)
+        sys.exit(2)
+    file_env = ({"REDSERVE_API_KEYS_FILE": str(settings.api_keys_file)}
+                if settings.api_keys_file else {})
+    if keys.enabled:
+        log.info("authentication on: %d API key(s)", len(keys.by_digest))
+        return file_env
+    if not settings.no_auth and not _is_loopback(host):
+        log.error("no API keys, and %s is not a loopback address: set REDSERVE_API_KEYS or "
+                  "--api-keys-file, or pass --no-auth to serve without authentication", host)
+        sys.exit(2)
+    log.warning("authentication is off (no API key set; listening on %s); set "
+                "REDSERVE_API_KEYS or --api-keys-file to require keys", host)
+    return {"REDSERVE_NO_AUTH": "true"}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
