@@ -126,7 +126,8 @@ def busy(redis_url: str, tiny_model: Path, sync_redis: redis.Redis) -> Iterator[
 
         assert eventually(lambda: beat().get("running") == 3
                           and beat().get("tokens_per_s", 0) > 0, 10)
-        # And the worker's batched queue release (every 0.5 s) has gone out for all three.
+        # And the worker's queue release (with the flush after it takes them) has gone out for
+        # all three.
         assert eventually(lambda: r.zcard(keys.queued(MODEL)) == 1, 10)
         yield Busy(stack, worker, streaming, running, resumable, queued)
     finally:

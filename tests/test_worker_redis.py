@@ -91,6 +91,37 @@ def test_terminal_entries_survive_an_outage_and_are_written_once() -> None:
         server.stop()
 
 
+def test_a_taken_request_frees_its_queue_place_in_the_next_flush(
+    sync_redis: redis.Redis, redis_url: str
+) -> None:
+    """The API's bounded queue counts the queued set: a place still held by a request that
+    already runs would refuse a request while the queue has room. The acknowledgement may
+    wait for the batch; the release may not."""
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    requests = [_request(i) for i in range(3)]
+    queued = keys.queued(MODEL)
+    sync_redis.zadd(queued, {q.queue_member: q.created for q in requests})
+    entry_ids = _enqueue(sync_redis, keys, requests, "w1")
+
+    async def run() -> None:
+        clients = connect(redis_url, name="test")
+        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        await publisher.flush(batch_now=True)  # the batch was just sent: the next one waits
+        for req, eid in zip(requests[:2], entry_ids[:2], strict=True):
+            publisher.take(req, eid)
+        publisher.stage([StepOutput(requests[0].id, 0, 42, "length", 3, 1)])
+        await publisher.flush()
+        assert sync_redis.zrange(queued, 0, -1) == [requests[2].queue_member.encode()]
+        # The ended request's entry is acknowledged with the next batch, not in this flush.
+        assert sync_redis.xpending(keys.requests(MODEL), WORKER_GROUP)["pending"] == 3
+        await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        sync_redis.delete(queued, keys.requests(MODEL))
+
+
 def test_the_claim_walks_the_pending_list_with_its_cursor(
     sync_redis: redis.Redis, redis_url: str
 ) -> None:

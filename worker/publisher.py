@@ -5,13 +5,15 @@ Staged per step, sent by `flush`:
 - each request's new tokens (one XADD each; the first also sets its stream's TTL);
 - ended requests: one entry carrying the last tokens and the finish (or an error), and the
   short TTL of a finished request on its stream and hash;
-- requests admitted (their state);
+- requests admitted (their state), and one ZREM freeing the queue places of the requests
+  taken since the last flush: the API's bounded queue counts those places, so a late release
+  would refuse requests while the queue has room;
 - then, per API replica, one feed entry with the new result entries of its requests (see
   shared/keys.py): its reader reads the whole step in one command;
 - at most every `BATCH_S` (at once when idle): one XACK and one XDEL of every entry ended
-  since, so the request stream holds only unfinished work, and one ZREM freeing the queue
-  places of the requests taken since. An entry whose terminal entry is written is safe to
-  acknowledge late: a worker that claims it finds the terminal entry and only acknowledges it;
+  since, so the request stream holds only unfinished work. An entry whose terminal entry is
+  written is safe to acknowledge late: a worker that claims it finds the terminal entry and
+  only acknowledges it;
 - requests handed back on drain.
 About one command per generated token: that is the budget (see ops/bench_redis.py).
 
@@ -93,7 +95,7 @@ class Staged:
     running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
     endings: list[Ending] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # request-stream entry ids
-    taken: list[str] = field(default_factory=list)  # queued-set members
+    taken: list[str] = field(default_factory=list)  # queued-set members to release
     hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
 
     def __bool__(self) -> bool:
@@ -130,7 +132,7 @@ class Publisher:
         self.gapped: set[str] = set()
         self._staged = Staged()
         self._outbox = Staged()
-        self._batch = Staged()  # acks and queue releases, sent every BATCH_S
+        self._batch = Staged()  # acks, sent every BATCH_S
         self._batch_sent = 0.0
         self._terminal_once = redis.register_script(_TERMINAL_ONCE)
 
@@ -143,7 +145,7 @@ class Publisher:
         """A request read from the stream: remember its entry, free its queue place."""
         self.entry_ids[request.id] = entry_id
         self._expires[request.id] = request.created + self.settings.request_ttl_s
-        self._batch.taken.append(request.queue_member)
+        self._staged.taken.append(request.queue_member)
 
     def stage_ack(self, request_id: str) -> None:
         """Acknowledge a request that already ended elsewhere (its terminal entry exists)."""
@@ -198,7 +200,6 @@ class Publisher:
         now = time.monotonic()
         if batch_now or now - self._batch_sent >= BATCH_S:
             staged.acks += self._batch.acks
-            staged.taken += self._batch.taken
             self._batch, self._batch_sent = Staged(), now
         if self._outbox:
             try:
