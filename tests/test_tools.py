@@ -18,6 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from api.tools.parse import ToolCallParser
 from shared.models import ModelInfo
 
 pytestmark = pytest.mark.smollm2
@@ -152,6 +153,57 @@ def test_required_parallel_calls_end_cleanly(client: openai.OpenAI) -> None:
     assert "<tool_call>" not in (choice.message.content or ""), choice.message.content
     assert choice.finish_reason == "tool_calls", (
         f"{len(choice.message.tool_calls)} calls and still going at max_tokens")
+
+
+def test_a_forced_call_cut_short_comes_back_as_a_call(client: openai.OpenAI) -> None:
+    """max_tokens ends a named call inside its arguments: the reply is still that call (as
+    OpenAI returns one cut short), its arguments the JSON text written so far, never the
+    model's raw tags as content."""
+    body: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                temperature=0)
+    whole = client.chat.completions.create(**body, max_tokens=100, logprobs=True)
+    assert whole.choices[0].logprobs is not None
+    tokens = [t.token for t in whole.choices[0].logprobs.content or []]
+    written = "".join(tokens)
+    key = written.index('"arguments"') + len('"arguments"')
+    args_begun = next(n for n in range(len(tokens)) if len("".join(tokens[:n])) > key + 4)
+    raw_arguments = written[key:].partition(":")[2]
+    for stream in (False, True):
+        if stream:
+            content, calls, finish = _streamed(client, **body, max_tokens=args_begun)
+            assert content == "", content
+            [(name, arguments)] = [(c["function"]["name"], c["function"]["arguments"])
+                                   for c in calls]
+        else:
+            [choice] = client.chat.completions.create(**body, max_tokens=args_begun).choices
+            assert choice.message.content is None, choice.message.content
+            finish = choice.finish_reason
+            [call] = choice.message.tool_calls or []
+            name, arguments = call.function.name, call.function.arguments  # type: ignore[union-attr]
+        assert finish == "length" and name == "get_weather"
+        assert arguments and raw_arguments.startswith(arguments), (arguments, raw_arguments)
+        with pytest.raises(ValueError):
+            json.loads(arguments)  # cut short, as finish_reason says
+
+
+@pytest.mark.parametrize(("text", "call"), [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     ("get_weather", '{"city": "Pa')),
+    ('<tool_call>\n[{"name": "get_time", "argu', ("get_time", "")),
+    ('<tool_call>\n{"name": "get_we', None),
+    ('<tool_call>\n{"name": "get_time", "description": "a', None),
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>{"na',
+     ("get_time", "{}")),
+])
+def test_what_a_cut_short_call_becomes(text: str, call: tuple[str, str] | None) -> None:
+    """A cut-short call is a call once its name is whole; before that, or when it is not a
+    call's shape, the text stays content; beside a whole call it is dropped."""
+    parser = ToolCallParser("req")
+    content, calls = parser.feed(text)
+    rest, more = parser.flush()
+    made = [(c.name, c.arguments) for c in calls + more]
+    assert made == ([] if call is None else [call])
+    assert content + rest == ("" if call is not None else text)
 
 
 TWO_CALLS = ('<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\n'

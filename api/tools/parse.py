@@ -3,7 +3,10 @@
 Text outside the tags is the message's content; a tag pair holding a JSON call (or a list of
 calls) becomes OpenAI's `tool_calls`. While text could still be the start of a tag, it is held
 back, so a streaming client never sees half a tag as content; a call is released whole once
-its closing tag arrives. What does not parse as a call stays content, as the model wrote it.
+its closing tag arrives. What does not parse as a call stays content, as the model wrote it,
+except a call that max_tokens cut short once its name was whole: that is still the call the
+model was making (a forced call always is one), so it comes back as OpenAI returns one cut
+short, its arguments the JSON text written so far, beside finish_reason "length".
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +48,24 @@ def _calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
         text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         calls.append(ParsedCall(next(ids), item["name"], text))
     return calls
+
+
+# A call's opening, as the forced-call grammar writes it and models do: its whole name, then
+# either the arguments begun (group 2) or at most part of their key.
+_CUT_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*'
+                       r'"(?:arguments|parameters)"\s*:\s*(.*)|[\s,"a-z]*)$', re.DOTALL)
+
+
+def _cut_call(body: str, ids: Iterator[str]) -> ParsedCall | None:
+    """The call a cut-short text began, if its name is whole; else None."""
+    match = _CUT_CALL.match(body)
+    if match is None:
+        return None
+    try:
+        name = json.loads(match[1])
+    except ValueError:  # a bad escape: not a name
+        return None
+    return ParsedCall(next(ids), name, (match[2] or "").rstrip())
 
 
 class ToolCallParser:
@@ -93,10 +115,12 @@ class ToolCallParser:
             return self._content([buf]), []
         self.in_call = False
         parsed = _calls(buf, self._ids)
-        if parsed is None:
-            # A call that max_tokens cut short: beside whole calls it is no answer of its own.
-            return ("" if self.made else START + buf), []
-        return "", self._kept(parsed)
+        if parsed is not None:
+            return "", self._kept(parsed)
+        if self.made:  # cut short beside whole calls: no answer of its own
+            return "", []
+        cut = _cut_call(buf, self._ids)
+        return ("", self._kept([cut])) if cut is not None else (START + buf, [])
 
     def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         if self.most is not None:
