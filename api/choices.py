@@ -96,18 +96,19 @@ class Choice:
                 reason = "stop"
             else:
                 tail += self.stops.flush()
-        tail, calls = self._calls(tail, True)
+        tail, calls = self._calls(tail, True, cut_short=reason == "length")
         self.finish_reason = self._reason(reason)
         self.completion_tokens = entry.completion_tokens
         self.cached_tokens = entry.cached_tokens
         return tail, calls
 
-    def _calls(self, text: str, last: bool) -> tuple[str, list[ParsedCall]]:
+    def _calls(self, text: str, last: bool,
+               cut_short: bool = False) -> tuple[str, list[ParsedCall]]:
         if self.tools is None:
             return text, []
         text, calls = self.tools.feed(text)
         if last:
-            rest, more = self.tools.flush()
+            rest, more = self.tools.flush(cut_short)
             text, calls = text + rest, calls + more
         return text, calls
 

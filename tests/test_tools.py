@@ -186,24 +186,51 @@ def test_a_forced_call_cut_short_comes_back_as_a_call(client: openai.OpenAI) -> 
             json.loads(arguments)  # cut short, as finish_reason says
 
 
-@pytest.mark.parametrize(("text", "call"), [
+DEEP = "[" * 5000  # past Python's recursion limit for json
+
+
+@pytest.mark.parametrize(("text", "calls"), [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
-     ("get_weather", '{"city": "Pa')),
-    ('<tool_call>\n[{"name": "get_time", "argu', ("get_time", "")),
-    ('<tool_call>\n{"name": "get_we', None),
-    ('<tool_call>\n{"name": "get_time", "description": "a', None),
+     [("get_weather", '{"city": "Pa')]),
+    ('<tool_call>\n{"name": "get_time", "argu', [("get_time", "")]),
+    ('<tool_call>\n[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
+     '"arguments": {"ci', [("get_time", '{"city": "Oslo"}'), ("get_time", '{"ci')]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}{"name": "get_t', []),
+    ('<tool_call>\n{"name": "get_we', []),
+    ('<tool_call>\n{"name": "get_time", "description', []),
     ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>{"na',
-     ("get_time", "{}")),
+     [("get_time", "{}")]),
+    (f'<tool_call>\n{{"name": "get_time", "arguments": {DEEP}', [("get_time", DEEP)]),
+    (f"<tool_call>{DEEP}</tool_call><tool_call>{DEEP}", []),
 ])
-def test_what_a_cut_short_call_becomes(text: str, call: tuple[str, str] | None) -> None:
-    """A cut-short call is a call once its name is whole; before that, or when it is not a
-    call's shape, the text stays content; beside a whole call it is dropped."""
+@pytest.mark.parametrize("cut_short", [True, False])
+def test_what_a_call_left_open_becomes(text: str, calls: list[tuple[str, str]],
+                                       cut_short: bool) -> None:
+    """Cut short by max_tokens, a call is a call once its name is whole (a list's whole
+    calls before it too); before that, or when it is not a call's shape, the text stays
+    content. Ended any other way (a stop string, the model's own end), an open call that
+    does not parse is content. Beside a whole call it is dropped. Nesting too deep for
+    Python's json is not JSON, never an error."""
     parser = ToolCallParser("req")
-    content, calls = parser.feed(text)
-    rest, more = parser.flush()
-    made = [(c.name, c.arguments) for c in calls + more]
-    assert made == ([] if call is None else [call])
-    assert content + rest == ("" if call is not None else text)
+    content, made = parser.feed(text)
+    rest, more = parser.flush(cut_short)
+    whole = [(c.name, c.arguments) for c in made]
+    if not cut_short and not whole:
+        calls = []
+    assert whole + [(c.name, c.arguments) for c in more] == calls
+    assert content + rest == ("" if calls else text)
+
+
+def test_history_with_arguments_nested_too_deep_is_served(client: openai.OpenAI) -> None:
+    """A client's past call whose arguments nest past what Python's json decodes goes into
+    the prompt as the text it is (not a server error)."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": DEEP}}
+    reply = client.chat.completions.create(
+        model=MODEL, tools=TOOLS, max_tokens=1, messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": RESULT}])
+    assert reply.choices[0].finish_reason == "length"
 
 
 TWO_CALLS = ('<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\n'

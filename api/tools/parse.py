@@ -34,10 +34,15 @@ class ParsedCall:
         return call if index is None else {"index": index, **call}
 
 
+# What decoding a model's JSON can raise: a syntax error, or nesting deeper than Python's
+# recursion limit (a model can write a thousand brackets).
+NOT_JSON = (ValueError, RecursionError)
+
+
 def _calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except NOT_JSON:
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -51,21 +56,59 @@ def _calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
 
 
 # A call's opening, as the forced-call grammar writes it and models do: its whole name, then
-# either the arguments begun (group 2) or at most part of their key.
-_CUT_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*'
-                       r'"(?:arguments|parameters)"\s*:\s*(.*)|[\s,"a-z]*)$', re.DOTALL)
+# the rest (no pattern here can backtrack on a long run of the same character).
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(.*)', re.DOTALL)
+_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:(.*)', re.DOTALL)
+_KEYS = (',"arguments":', ',"parameters":')
 
 
 def _cut_call(body: str, ids: Iterator[str]) -> ParsedCall | None:
-    """The call a cut-short text began, if its name is whole; else None."""
-    match = _CUT_CALL.match(body)
-    if match is None:
+    """The call a cut-short object began, if its name is whole; else None. Its arguments
+    are the text written so far, unless they are whole and something else follows (then it
+    is no call's shape)."""
+    named = _NAMED.match(body)
+    if named is None:
         return None
     try:
-        name = json.loads(match[1])
+        name = json.loads(named[1])
     except ValueError:  # a bad escape: not a name
         return None
-    return ParsedCall(next(ids), name, (match[2] or "").rstrip())
+    arguments = _ARGUMENTS.match(named[2])
+    if arguments is None:  # cut inside the key, or no call's key at all
+        key = "".join(named[2].split())
+        return ParsedCall(next(ids), name, "") if any(k.startswith(key) for k in _KEYS) else None
+    text = arguments[1].strip()
+    try:
+        _, end = json.JSONDecoder().raw_decode(text)
+    except NOT_JSON:  # cut inside the arguments
+        return ParsedCall(next(ids), name, text)
+    return ParsedCall(next(ids), name, text) if not text[end:].strip(" \n\t}") else None
+
+
+_SEPARATOR = re.compile(r"\s*,?\s*")
+
+
+def _cut_calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
+    """The calls a cut-short text began: a list's whole calls, then the one it was writing."""
+    text = body.lstrip()
+    calls: list[ParsedCall] = []
+    if text.startswith("["):
+        decoder, at = json.JSONDecoder(), 1
+        while True:
+            at = _SEPARATOR.match(text, at).end()  # type: ignore[union-attr]
+            try:
+                _, end = decoder.raw_decode(text, at)
+            except NOT_JSON:  # the call it was writing
+                break
+            whole = _calls(text[at:end], ids)
+            if whole is None:
+                return None
+            calls, at = calls + whole, end
+        text = text[at:]
+    cut = _cut_call(text, ids)
+    if cut is not None:
+        calls.append(cut)
+    return calls or None
 
 
 class ToolCallParser:
@@ -108,8 +151,9 @@ class ToolCallParser:
         calls = self._kept(calls)
         return self._content(content), calls
 
-    def flush(self) -> tuple[str, list[ParsedCall]]:
-        """At the end: a call cut short (no closing tag) parses if its JSON is whole."""
+    def flush(self, cut_short: bool = False) -> tuple[str, list[ParsedCall]]:
+        """At the end: a call left open (no closing tag) parses if its JSON is whole; if
+        max_tokens cut it short (`cut_short`), what it began is a call once a name is whole."""
         buf, self.pending = self.pending, ""
         if not self.in_call:
             return self._content([buf]), []
@@ -117,10 +161,10 @@ class ToolCallParser:
         parsed = _calls(buf, self._ids)
         if parsed is not None:
             return "", self._kept(parsed)
-        if self.made:  # cut short beside whole calls: no answer of its own
+        if self.made:  # left open beside whole calls: no answer of its own
             return "", []
-        cut = _cut_call(buf, self._ids)
-        return ("", self._kept([cut])) if cut is not None else (START + buf, [])
+        cut = _cut_calls(buf, self._ids) if cut_short else None
+        return ("", self._kept(cut)) if cut is not None else (START + buf, [])
 
     def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         if self.most is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from api.fields import AssistantMessage, ChatMessage, Tool, ToolCall, ToolMessage
+from api.tools.parse import NOT_JSON
 from api.tools.syntax import END, RESULT_END, RESULT_START, START
 
 Turn = dict[str, Any]
@@ -56,7 +57,7 @@ def conversation(messages: list[ChatMessage], tools: list[Tool] | None,
 def _arguments(call: ToolCall) -> Any:
     try:
         return json.loads(call.function.arguments)
-    except ValueError:
+    except NOT_JSON:
         return call.function.arguments
 
 
