@@ -15,8 +15,7 @@ from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
 from api.resume import StreamView, last_event_id
 from api.serving import generate, resume
-from api.text import ChatOptions, TemplateRefused
-from api.tools.prompt import conversation, native_tools
+from api.tokenization import chat_prompt_ids
 from shared.aborts import stage_aborts
 from shared.keys import is_request_id
 from shared.messages import RequestState
@@ -83,17 +82,7 @@ async def resume_stream(request_id: str, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     model = _served(ctx, body.model)
-    model.check_size([m.text() for m in body.messages], "messages")
-    tools = body.tools if body.tools_in_use() else None
-    turns, native = conversation(body.messages, tools, native_tools(model.codec.tokenizer))
-    options = ChatOptions(tools=native, add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message,
-                          add_special_tokens=body.add_special_tokens,
-                          template_kwargs=body.chat_template_kwargs or {})
-    try:
-        prompt_ids = await model.codec.encode_turns(turns, options)
-    except TemplateRefused as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    prompt_ids = await chat_prompt_ids(model, body)
     return await generate(ctx, model, request, body, [prompt_ids], "chat", _tenant(request))
 
 

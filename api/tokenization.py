@@ -46,6 +46,7 @@ from api.fields import (
     Tool,
     ToolChoice,
 )
+from api.protocol import ChatCompletionRequest
 from api.responses import json_response
 from api.text import ChatOptions, TemplateRefused
 from api.tools.prompt import conversation, native_tools
@@ -109,7 +110,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     model = _served(_ctx(request), body.model)
     tokenizer = model.codec.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        ids = await _chat_ids(model, body)
+        ids = await chat_prompt_ids(model, body)
     else:
         model.check_size([body.prompt], "prompt")
         ids = list(await run_in_threadpool(tokenizer.encode, body.prompt,
@@ -137,7 +138,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     return json_response({"prompt": cast(str, text)})
 
 
-async def _chat_ids(model: ServedModel, body: TokenizeChatRequest) -> list[int]:
+async def chat_prompt_ids(model: ServedModel,
+                          body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+    """A chat's prompt, as chat completion builds it and /tokenize counts it."""
     model.check_size([m.text() for m in body.messages], "messages")
     tools = body.tools if body.tool_choice != "none" else None
     turns, native = conversation(body.messages, tools, native_tools(model.codec.tokenizer))

@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Error, queue_timeout
+from shared.messages import Error, FinishReason, queue_timeout
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect
 from shared.settings import Settings
@@ -216,12 +216,10 @@ class WorkerService:
                 self.publisher.stage_ack(req.id)
                 continue
             if claimed.aborted or self.aborts.aborted([req.id]):
-                self.publisher.stage([StepOutput(req.id, len(generated), None, "abort",
-                                                 len(req.prompt_ids), len(generated))])
+                self._finish_unstarted(claimed, "abort")
                 continue
             if len(generated) >= req.params.max_tokens:  # only its finish entry was lost
-                self.publisher.stage([StepOutput(req.id, len(generated), None, "length",
-                                                 len(req.prompt_ids), len(generated))])
+                self._finish_unstarted(claimed, "length")
                 continue
             error, finish = self._refusal(claimed), None
             if error is None:
@@ -232,10 +230,16 @@ class WorkerService:
             if error is not None:
                 self.publisher.stage_error(req.id, error)
             elif finish is not None:  # its tokens complete its grammar: only the finish was lost
-                self.publisher.stage([StepOutput(req.id, len(generated), None, finish,
-                                                 len(req.prompt_ids), len(generated))])
+                self._finish_unstarted(claimed, finish)
             else:
                 self.publisher.stage_running(req.id)
+
+    def _finish_unstarted(self, claimed: Claimed, finish: FinishReason) -> None:
+        """End a request at admission, without a step: the tokens an earlier worker
+        published stand as its completion."""
+        done = len(claimed.generated)
+        self.publisher.stage([StepOutput(claimed.request.id, done, None, finish,
+                                         len(claimed.request.prompt_ids), done)])
 
     def _refusal(self, claimed: Claimed) -> Error | None:
         req, now = claimed.request, time.time()
