@@ -17,6 +17,9 @@ class ResultSource(Protocol):
     """Where a choice's result entries come from: a live `Generation`, or a `Replay` of a
     resumed stream."""
 
+    @property
+    def request_id(self) -> str: ...
+
     def __aiter__(self) -> AsyncIterator[ResultEntry]: ...
 
     async def close(self, outcome: str | None = None) -> None: ...

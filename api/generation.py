@@ -21,7 +21,16 @@ from api.metrics import ReplyTimer, abort_cause
 from api.reader import Subscription
 from api.resume import StreamView
 from shared.aborts import stage_aborts
-from shared.messages import Error, Finish, GenerateRequest, RequestState, ResultEntry, queue_timeout
+from shared.messages import (
+    Error,
+    Finish,
+    GenerateRequest,
+    RequestField,
+    RequestHash,
+    RequestState,
+    ResultEntry,
+    queue_timeout,
+)
 
 log = logging.getLogger("redserve.api")
 
@@ -58,17 +67,12 @@ class Generation:
         # The hash first: a worker may take the request as soon as it is on the stream.
         pipe = ctx.clients.commands.pipeline(transaction=False)
         state_key = keys.state(req.id)
-        pipe.hset(state_key, mapping={
-            "state": RequestState.QUEUED,
-            "model": req.model,
-            "created": f"{req.created:.3f}",
-            "prompt_tokens": str(len(req.prompt_ids)),
-            "replica": ctx.replica,
-            "tenant": req.tenant,
-            "choices": str(max(self.siblings, 1)),
-            "streaming": "1" if self.streaming else "0",
-            **({"stream": self.view.to_json()} if self.view is not None else {}),
-        })
+        record = RequestHash(
+            state=RequestState.QUEUED, model=req.model, tenant=req.tenant, created=req.created,
+            prompt_tokens=len(req.prompt_ids), replica=ctx.replica,
+            choices=max(self.siblings, 1), streaming=self.streaming,
+            stream=None if self.view is None else self.view.to_json())
+        pipe.hset(state_key, mapping=record.to_fields())  # type: ignore[arg-type]
         pipe.expire(state_key, ttl)
         try:
             await pipe.execute()
@@ -134,7 +138,7 @@ class Generation:
     async def _still_queued(self) -> bool:
         state_key = self.ctx.keys.state(self.request.id)
         try:
-            state = await self.ctx.clients.commands.hget(state_key, "state")
+            state = await self.ctx.clients.commands.hget(state_key, RequestField.STATE)
         except aioredis.RedisError:
             return True
         return state in (None, RequestState.QUEUED.encode())
@@ -187,7 +191,8 @@ class Generation:
         a TTL."""
         state_key = self.ctx.keys.state(self.request.id)
         pipe = self.ctx.clients.commands.pipeline(transaction=False)
-        pipe.hset(state_key, "detached", f"{time.time():.3f}")
+        detached = RequestHash.detached_at(time.time())
+        pipe.hset(state_key, mapping=detached)  # type: ignore[arg-type]
         pipe.expire(state_key, self.ctx.settings.request_ttl_s, nx=True)
         with contextlib.suppress(aioredis.RedisError):
             await pipe.execute()

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from shared.keys import Keys
 from shared.messages import Error, Finish, ResultEntry, Tokens, decode_feed, decode_result, expand
 from shared.redis_conn import RedisClients, StreamEntries, stream_reply
+from shared.retry import RedisBackoff
 
 log = logging.getLogger("redserve.api.reader")
 
@@ -173,7 +174,7 @@ class ResultReader:
                 await asyncio.sleep(RESTART_PAUSE_S)
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = RedisBackoff("result reader", start=0.05, cap=2.0, log=log)
         failing_since: float | None = None
         while True:
             now = time.monotonic()
@@ -185,15 +186,14 @@ class ResultReader:
                 response = await self.clients.blocking.xread(
                     {self.feed_key: self._feed_id}, count=READ_COUNT,
                     block=BEHIND_BLOCK_MS if waiting else BLOCK_MS)
-                backoff, failing_since = 0.05, None
+                backoff.reset()
+                failing_since = None
             except aioredis.RedisError as e:
-                log.warning("result reader: %s; retrying in %.2fs", e, backoff)
                 failing_since = failing_since or now
                 if now - failing_since >= OUTAGE_AFTER_S:
                     self._fail_all(Error("lost the connection to Redis", "server_error",
                                          "redis_unavailable"))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(e)
                 continue
             for _, entries in stream_reply(response):
                 for entry_id, fields in entries:

@@ -15,7 +15,9 @@ SYSTEM_FINGERPRINT = "redserve"
 
 
 @dataclass(frozen=True)
-class ResponseFormat:
+class ReplyHeader:
+    """What every object of one reply repeats: its id, object type, creation time, model."""
+
     kind: Kind
     request_id: str
     model: str

@@ -5,8 +5,9 @@ the result entries (one event per entry at most, in stream order), so a replica 
 same entries from the start and renders them the same way produces the same events with the
 same ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends
 the events after `n`: no gap, no duplicate, the same text as an unbroken stream, whichever
-replica served the start. What rendering needs (reply kind, stop strings, echo prefix, ...)
-is stored as a `StreamView` in the request's hash when the stream starts.
+replica served the start. What rendering needs (the reply's `ReplySpec`: its kind, stop
+strings, echo prefix, ...) is stored with the deadlines as a `StreamView` in the request's
+hash when the stream starts.
 
 A stream with several choices interleaves their entries in arrival order, which a replay
 cannot reproduce, so only single-choice streams are resumable.
@@ -16,20 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.metrics import abort_cause
-from api.responses import Kind
+from api.reply_spec import ReplySpec
 from shared.aborts import stage_aborts
 from shared.messages import (
     Error,
     Finish,
+    RequestField,
     RequestState,
     ResultEntry,
     decode_result,
@@ -45,43 +47,47 @@ POLL_S = 0.05
 READ_COUNT = 64
 
 
+# The stored keys added after the first version, each at the value that a replica which
+# predates it renders with: a key at that value is left out, so such a replica (a rolling
+# upgrade) still reads the views that do not use it. queue_deadline 0: not recorded.
+_LATER: dict[str, Any] = {"queue_deadline": 0.0, "continuous_usage": False, "tools": False,
+                          "one_call": False, "skip_special_tokens": True}
+
+
 @dataclass(frozen=True)
 class StreamView:
-    kind: Kind
-    base_id: str
-    model: str
-    created: int
-    prompt_tokens: int
-    prefix: str  # echoed prompt
-    stops: tuple[str, ...]
-    include_stop: bool
-    include_usage: bool
+    """A single-choice stream's `ReplySpec` and deadlines, as stored in its request's hash.
+    Replicas of other versions read what this one writes and the reverse, so the JSON's keys
+    and their meaning do not change."""
+
+    spec: ReplySpec
     deadline: float
-    queue_deadline: float = 0.0  # 0: not recorded
-    continuous_usage: bool = False  # usage in every chunk (stream_options.continuous_usage_stats)
-    tools: bool = False  # the model was offered tools: its calls are parsed out
-    one_call: bool = False  # parallel_tool_calls false: only the first call is kept
-    skip_special_tokens: bool = True
+    queue_deadline: float
 
     def to_json(self) -> str:
-        # A field at its default is left out, so replicas that predate it (a rolling
-        # upgrade) still read the views that do not use it.
-        data = asdict(self)
+        s = self.spec
+        data = {"kind": s.kind, "base_id": s.base_id, "model": s.model, "created": s.created,
+                "prompt_tokens": s.prompt_tokens, "prefix": s.prefixes[0], "stops": s.stops,
+                "include_stop": s.include_stop, "include_usage": s.include_usage,
+                "deadline": self.deadline, "queue_deadline": self.queue_deadline,
+                "continuous_usage": s.continuous_usage, "tools": s.tools,
+                "one_call": s.one_call, "skip_special_tokens": s.skip_special_tokens}
         return orjson.dumps({k: v for k, v in data.items()
-                             if k not in _OPTIONAL or v != _OPTIONAL[k]}).decode()
+                             if k not in _LATER or v != _LATER[k]}).decode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> StreamView:
-        data = orjson.loads(raw)
-        data["stops"] = tuple(data["stops"])
-        # Fields a newer replica added are not this one's to render; dropping them beats
-        # failing the resume.
-        return cls(**{k: v for k, v in data.items() if k in _FIELDS})
-
-
-_FIELDS = {f.name for f in dataclasses.fields(StreamView)}
-_OPTIONAL = {f.name: f.default for f in dataclasses.fields(StreamView)
-             if f.default is not dataclasses.MISSING}
+    def from_json(cls, raw: str | bytes) -> StreamView:
+        # Keys a newer replica added are not this one's to render: they are not read, which
+        # beats failing the resume.
+        data = {**_LATER, **orjson.loads(raw)}
+        spec = ReplySpec(
+            kind=data["kind"], base_id=data["base_id"], model=data["model"],
+            created=data["created"], prompt_tokens=data["prompt_tokens"],
+            prefixes=(data["prefix"],), stops=tuple(data["stops"]),
+            include_stop=data["include_stop"], include_usage=data["include_usage"],
+            continuous_usage=data["continuous_usage"], tools=data["tools"],
+            one_call=data["one_call"], skip_special_tokens=data["skip_special_tokens"])
+        return cls(spec, data["deadline"], data["queue_deadline"])
 
 
 class Replay:
@@ -150,14 +156,15 @@ class Replay:
         if self._started or not self.view.queue_deadline or now <= self.view.queue_deadline:
             return None
         try:
-            state = await self.ctx.clients.commands.hget(self.ctx.keys.state(self._id), "state")
+            state = await self.ctx.clients.commands.hget(self.ctx.keys.state(self._id),
+                                                       RequestField.STATE)
         except aioredis.RedisError:
             return None
         if state not in (None, RequestState.QUEUED.encode()):
             self._started = True  # a worker has it: only the full deadline applies now
             return None
         await self._abort(abort_cause("queue_timeout"))
-        return queue_timeout(self.view.model)
+        return queue_timeout(self.view.spec.model)
 
     def _end(self) -> None:
         self._ended = True

@@ -18,7 +18,7 @@ from api.serving import generate, resume
 from api.tokenization import chat_prompt_ids
 from shared.aborts import stage_aborts
 from shared.keys import is_request_id
-from shared.messages import RequestState
+from shared.messages import RequestHash, RequestState
 
 router = APIRouter()
 log = logging.getLogger("redserve.api")
@@ -34,12 +34,12 @@ def _ctx(request: Request) -> AppContext:
 async def cancel(request_id: str, request: Request) -> Response:
     """Cancel a request by id, from any replica. Only its tenant may."""
     ctx = _ctx(request)
-    state = await _owned_state(ctx, request_id, request)
-    current = state[b"state"].decode()
+    record = await _owned_state(ctx, request_id, request)
+    current = record.state
     cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
     if cancelled:
         # A reply with several choices is cancelled whole: `<id>` and `<id>-1`..`<id>-<n-1>`.
-        ids = [request_id] + [f"{request_id}-{i}" for i in range(1, int(state[b"choices"]))]
+        ids = [request_id] + [f"{request_id}-{i}" for i in range(1, record.choices)]
         pipe = ctx.clients.commands.pipeline(transaction=False)
         stage_aborts(pipe, ctx.keys, ids, ctx.settings.request_ttl_s)
         try:
@@ -56,17 +56,16 @@ async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
     result stream lives. Only its tenant may."""
     ctx = _ctx(request)
-    state = await _owned_state(ctx, request_id, request)
-    raw_view = state.get(b"stream")
+    raw_view = (await _owned_state(ctx, request_id, request)).stream
     if raw_view is None:
         raise APIError(400, f"request {request_id!r} is not a single-choice stream, so it "
                        "cannot be resumed", param="request_id", code="not_resumable")
     view = StreamView.from_json(raw_view)
-    model = ctx.models.get(view.model)
+    model = ctx.models.get(view.spec.model)
     if model is None:
-        raise APIError(404, f"request {request_id!r} is for model {view.model!r}, which this "
-                       "replica does not serve; resume it on one that does", param="request_id",
-                       code="model_not_found")
+        raise APIError(404, f"request {request_id!r} is for model {view.spec.model!r}, which "
+                       "this replica does not serve; resume it on one that does",
+                       param="request_id", code="model_not_found")
     after = last_event_id(request.headers.get("last-event-id")
                           or request.query_params.get("last_event_id"))
     # Tells the replica that served the first stream not to cancel it after its grace.
@@ -109,7 +108,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await generate(ctx, model, request, body, prompts, "text", _tenant(request), echoes)
 
 
-async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> dict[bytes, bytes]:
+async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
     """The request's hash, if the caller's tenant owns it; another tenant's request looks
     exactly like a missing one."""
     missing = APIError(404, f"no request {request_id[:64]!r}", param="request_id",
@@ -121,9 +120,13 @@ async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> di
         state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
     except aioredis.RedisError as e:
         raise _state_unavailable(e) from e
-    if not state or state.get(b"tenant", b"").decode() != _tenant(request):
+    try:
+        record = RequestHash.decode(state)
+    except ValueError:  # none (expired), or not what redserve writes
+        raise missing from None
+    if record.tenant != _tenant(request):
         raise missing
-    return state
+    return record
 
 
 def _state_unavailable(e: Exception) -> APIError:

@@ -11,7 +11,6 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from api.choices import Choice, StopStrings
 from api.context import AppContext, ServedModel
 from api.errors import APIError
 from api.generation import Generation
@@ -19,11 +18,11 @@ from api.metrics import ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.replies.collected import collect_unless_disconnected
 from api.replies.merge import close_all
-from api.replies.streamed import sse, usage_mode
-from api.responses import Kind, ResponseFormat, json_response
+from api.replies.streamed import sse
+from api.reply_spec import ReplySpec
+from api.responses import Kind, json_response
 from api.resume import Replay, StreamView
 from api.structured.grammar import compile_constraint
-from api.tools.parse import ToolCallParser
 from shared.keys import new_request_id
 from shared.logs import log_event
 from shared.messages import GenerateRequest, SamplingParams
@@ -97,8 +96,6 @@ async def generate(
             raise APIError(400, f"{param}: token id {bad} is outside the vocabulary "
                            f"(0..{vocab - 1})", param=param, code="invalid_value")
     constraint = await compile_constraint(body, model.codec.tokenizer)
-    tools = isinstance(body, ChatCompletionRequest) and body.tools_in_use()
-    one_call = isinstance(body, ChatCompletionRequest) and not body.parallel_tool_calls
     requests = []
     for p_index, prompt_ids in enumerate(prompts):
         if not prompt_ids:
@@ -124,35 +121,14 @@ async def generate(
                 if isinstance(body, ChatCompletionRequest) else {"prompt": body.prompt})
         log_event(log, "request.received", request_id=base_id, tenant=tenant,
                   model=model.name, **text)
-    stops = body.stop_strings()
-    prompt_tokens = sum(len(p) for p in prompts)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous_usage = bool(include_usage and body.stream_options
-                            and body.stream_options.continuous_usage_stats)
+    spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prompts, echoes)
     view = None
     if body.stream and len(requests) == 1:  # resumable (see api/resume.py)
-        view = StreamView(kind, base_id, model.name, int(now), prompt_tokens,
-                          echoes[0] if echoes else "", tuple(stops or ()),
-                          body.include_stop_str_in_output, include_usage, requests[0].deadline,
-                          requests[0].queue_deadline, continuous_usage, tools,
-                          body.skip_special_tokens, one_call)
+        view = StreamView(spec, requests[0].deadline, requests[0].queue_deadline)
     generations = [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
                               streaming=body.stream)
                    for i, req in enumerate(requests)]
-    choices = [
-        Choice(
-            index=i,
-            generation=generations[i],
-            decoder=model.codec.decoder(body.skip_special_tokens),
-            stops=StopStrings(stops, body.include_stop_str_in_output) if stops else None,
-            chat=kind == "chat",
-            codec=model.codec,
-            prefix=echoes[i // body.n] if echoes else "",
-            prompt_index=i // body.n,
-            tools=ToolCallParser(req.id, 1 if one_call else None) if tools else None,
-        )
-        for i, req in enumerate(requests)
-    ]
+    choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     # All choices enter the queue concurrently; if any is refused (or the client leaves
     # meanwhile), none stays.
     try:
@@ -165,17 +141,15 @@ async def generate(
         await close_all(choices)
         raise
     timer = ReplyTimer(ctx.metrics, request_id=base_id, tenant=tenant, model=model.name,
-                       stream=body.stream, created=now, prompt_tokens=prompt_tokens,
+                       stream=body.stream, created=now, prompt_tokens=spec.prompt_tokens,
                        choices=len(generations))
     for g in generations:
         g.timer = timer
-    fmt = ResponseFormat(kind, base_id, model.name, int(now))
     headers = {"X-Request-Id": base_id}
     if body.stream:
-        return sse(choices, fmt, prompt_tokens, usage_mode(include_usage, continuous_usage),
-                   headers)
+        return sse(choices, spec, headers)
     try:
-        reply = await collect_unless_disconnected(request, choices, fmt, prompt_tokens)
+        reply = await collect_unless_disconnected(request, choices, spec)
     finally:
         await close_all(choices)
     return json_response(reply, headers=headers)
@@ -185,17 +159,6 @@ def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamVie
            after: int) -> Response:
     """A single-choice stream replayed from its result stream; only events after `after`
     are sent."""
-    choice = Choice(
-        index=0,
-        generation=Replay(ctx, request_id, view),
-        decoder=model.codec.decoder(view.skip_special_tokens),
-        stops=StopStrings(list(view.stops), view.include_stop) if view.stops else None,
-        chat=view.kind == "chat",
-        codec=model.codec,
-        prefix=view.prefix,
-        tools=ToolCallParser(request_id, 1 if view.one_call else None) if view.tools else None,
-    )
-    fmt = ResponseFormat(view.kind, view.base_id, view.model, view.created)
-    return sse([choice], fmt, view.prompt_tokens,
-               usage_mode(view.include_usage, view.continuous_usage),
-               {"X-Request-Id": view.base_id}, after)
+    spec = view.spec
+    choice = spec.choice(Replay(ctx, request_id, view), model.codec)
+    return sse([choice], spec, {"X-Request-Id": spec.base_id}, after)

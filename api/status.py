@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api.context import AppContext
 from api.errors import APIError
 from api.responses import json_response
+from shared.messages import Heartbeat
 
 router = APIRouter()
 log = logging.getLogger("redserve.api")
@@ -75,7 +76,7 @@ async def _worker_status(ctx: AppContext) -> dict[str, Any]:
     for name in names:
         pipe.get(ctx.keys.worker(name))
     bodies = await pipe.execute()
-    return {n: orjson.loads(b) for n, b in zip(names, bodies, strict=True) if b}
+    return {n: asdict(Heartbeat.from_json(b)) for n, b in zip(names, bodies, strict=True) if b}
 
 
 @router.get("/ready")

@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from ops.bench.cli import add_arguments as add_bench_arguments
 from ops.inspector.cli import add_arguments as add_inspect_arguments
+from ops.loadtest.cli import add_arguments as add_bench_arguments
 from ops.options import (
     LOGGING,
     api_options,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_inspect(args))
     elif args.command == "bench":
-        from ops.bench.cli import run as run_bench
+        from ops.loadtest.cli import run as run_bench
 
         sys.exit(run_bench(args))
     else:

@@ -9,13 +9,17 @@ queue and its request stream share a slot, so one script can admit and enqueue a
     {prefix}:model:{<model>}:requests      stream of unfinished requests, group `workers` (TTL)
     {prefix}:model:{<model>}:queued        sorted set of requests no worker took yet (TTL)
     {prefix}:model:{<model>}:workers       sorted set: live workers by heartbeat expiry (TTL)
-    {prefix}:{<replica>}:<id>              hash: state, worker, counts        (TTL)
+    {prefix}:{<replica>}:<id>              hash: `messages.RequestField`      (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel: the source of truth (TTL)
     {prefix}:{<replica>}:<id>:resumed      set when a client resumes its stream (TTL)
     {prefix}:{<replica>}:feed              stream: every result entry for the replica (TTL)
     {prefix}:aborts                        stream announcing abort keys as they are set (TTL)
-    {prefix}:worker:<name>                 heartbeat                          (TTL)
+    {prefix}:worker:<name>                 heartbeat: `messages.Heartbeat`    (TTL)
+
+What each key holds is typed in `shared.messages`: the stream entries, the request hash's
+fields (`RequestField`, read and written through `RequestHash`) and the heartbeat's body
+(`Heartbeat`); nothing else spells a field's name.
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as

@@ -15,12 +15,21 @@ Exactly one `finish` or `error` entry ends every result stream. A finish entry m
 tokens of the step that ended the request (one XADD instead of two: Redis commands per token
 are the budget), read as a tokens entry followed by the finish (`expand`). Flat string fields
 keep the streams readable with plain `redis-cli XRANGE`.
+
+Request hash (`RequestField` names its fields, `RequestHash` writes and reads them): written in
+parts, by the replica that accepts the request and by the worker that runs it; read by any
+replica (cancel, resume) and by `redserve inspect`.
+Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -200,3 +209,187 @@ class RequestState:
     DONE = "done"
     ABORTED = "aborted"
     ERROR = "error"
+
+
+class RequestField(StrEnum):
+    """The fields of a request's hash (`shared.keys`: `{prefix}:{<replica>}:<id>`). Written in
+    parts, each by the party that knows it: the accepting replica (`RequestHash.to_fields`),
+    the worker (`RequestHash.running`, `.ended`, `.handed_back`) and the replica again when a
+    stream's client leaves (`RequestHash.detached_at`). Flat strings, so `redis-cli HGETALL`
+    reads it."""
+
+    STATE = "state"  # a `RequestState`
+    MODEL = "model"  # the served model's name
+    TENANT = "tenant"  # whose it is: only that tenant may cancel or resume it
+    CREATED = "created"  # unix time the replica accepted it
+    PROMPT_TOKENS = "prompt_tokens"
+    REPLICA = "replica"  # the accepting replica's tag
+    CHOICES = "choices"  # choices of its reply: `<id>`, `<id>-1` .. `<id>-<n-1>`
+    STREAMING = "streaming"  # 1: answered with SSE, 0: one JSON reply
+    STREAM = "stream"  # a resumable stream's rendering state (JSON, `api.resume.StreamView`)
+    WORKER = "worker"  # the worker running it (from `running` on)
+    DETACHED = "detached"  # unix time its stream's client left under the resume grace
+    COMPLETION_TOKENS = "completion_tokens"  # once finished
+    FINISH_REASON = "finish_reason"  # once finished (not on an error)
+
+
+@dataclass(frozen=True)
+class RequestHash:
+    """A request's hash, decoded. Only `state` is always there; the rest is what its writers
+    have written so far (see `RequestField`)."""
+
+    state: str
+    model: str = ""
+    tenant: str = ""
+    created: float = 0.0
+    prompt_tokens: int = 0
+    replica: str = ""
+    choices: int = 1
+    streaming: bool = False
+    stream: str | None = None
+    worker: str | None = None
+    detached: float | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        """The fields an accepting replica writes (the worker's come later)."""
+        fields = {
+            RequestField.STATE: self.state,
+            RequestField.MODEL: self.model,
+            RequestField.CREATED: f"{self.created:.3f}",
+            RequestField.PROMPT_TOKENS: str(self.prompt_tokens),
+            RequestField.REPLICA: self.replica,
+            RequestField.TENANT: self.tenant,
+            RequestField.CHOICES: str(self.choices),
+            RequestField.STREAMING: "1" if self.streaming else "0",
+        }
+        if self.stream is not None:
+            fields[RequestField.STREAM] = self.stream
+        return _plain(fields)
+
+    @staticmethod
+    def running(worker: str) -> dict[str, str]:
+        """A worker took it."""
+        return _plain({RequestField.STATE: RequestState.RUNNING, RequestField.WORKER: worker})
+
+    @staticmethod
+    def handed_back() -> dict[str, str]:
+        """A draining worker gave it back for another to take."""
+        return _plain({RequestField.STATE: RequestState.QUEUED})
+
+    @staticmethod
+    def ended(entry: Finish | Error) -> dict[str, str]:
+        """Its terminal entry was written: a finish (with its counts) or an error."""
+        if isinstance(entry, Error):
+            return _plain({RequestField.STATE: RequestState.ERROR})
+        state = RequestState.ABORTED if entry.finish_reason == "abort" else RequestState.DONE
+        return _plain({RequestField.STATE: state,
+                       RequestField.COMPLETION_TOKENS: str(entry.completion_tokens),
+                       RequestField.FINISH_REASON: entry.finish_reason})
+
+    @staticmethod
+    def detached_at(at: float) -> dict[str, str]:
+        """Its stream's client went away; it runs on for a resume."""
+        return _plain({RequestField.DETACHED: f"{at:.3f}"})
+
+    @classmethod
+    def decode(cls, raw: Mapping[bytes, bytes | None] | Mapping[str, str | None]
+               | Mapping[RequestField, str | None]) -> RequestHash:
+        """From HGETALL or HMGET (`FIELDS`) replies. ValueError naming the field for a hash
+        with no state or with a count that is not a number."""
+        f = {_text(k): _text(v) for k, v in raw.items() if v is not None}
+        state = f.get(RequestField.STATE)
+        if state is None:
+            raise ValueError("no state field")
+
+        def number(name: RequestField) -> float | None:
+            value = f.get(name)
+            if not value:
+                return None
+            try:
+                parsed = float(value)
+            except ValueError:
+                parsed = math.nan
+            if not math.isfinite(parsed):
+                raise ValueError(f"field {str(name)!r} is not a number: {value!r}")
+            return parsed
+
+        def count(name: RequestField) -> int | None:
+            value = number(name)
+            return None if value is None else int(value)
+
+        return cls(
+            state=state, model=f.get(RequestField.MODEL, ""), tenant=f.get(RequestField.TENANT, ""),
+            created=number(RequestField.CREATED) or 0.0,
+            prompt_tokens=count(RequestField.PROMPT_TOKENS) or 0,
+            replica=f.get(RequestField.REPLICA, ""), choices=count(RequestField.CHOICES) or 1,
+            streaming=f.get(RequestField.STREAMING) == "1", stream=f.get(RequestField.STREAM),
+            worker=f.get(RequestField.WORKER), detached=number(RequestField.DETACHED),
+            completion_tokens=count(RequestField.COMPLETION_TOKENS),
+            finish_reason=f.get(RequestField.FINISH_REASON))
+
+
+def _plain(fields: dict[RequestField, str]) -> dict[str, str]:
+    """Keys as plain strings (JSON encoders, orjson's among them, take no str subclass)."""
+    return {str(k): v for k, v in fields.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A worker's status key (`shared.keys`: `{prefix}:worker:<name>`), JSON, rewritten with a
+    TTL on every beat (`worker.presence`): what `/health` and `redserve inspect` show of it.
+    A field an older worker did not write reads as its default."""
+
+    model: str = ""
+    capacity: int = 0  # requests it may hold (--max-running)
+    running: int = 0  # in the running batch
+    waiting: int = 0  # taken, waiting for room in the batch
+    kv_pages_used: int | None = None  # referenced by requests (None: total - free)
+    kv_pages_free: int = 0  # empty, or held only by the prefix cache
+    kv_pages_cached: int = 0  # held only by the prefix cache
+    kv_pages_total: int = 0
+    generated_tokens: int = 0  # since the worker started
+    tokens_per_s: float | None = None  # over the interval since the previous beat
+    at: float | None = None  # unix time of the beat: its age needs no knowledge of the TTL
+    device: str = ""
+    dtype: str = ""
+    outbox: int = 0  # terminal entries waiting for Redis to come back
+    draining: bool = False
+
+    @property
+    def pages_used(self) -> int:
+        return (self.kv_pages_total - self.kv_pages_free if self.kv_pages_used is None
+                else self.kv_pages_used)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Heartbeat:
+        """ValueError saying what is wrong with a body that is not a heartbeat."""
+        try:
+            beat = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise ValueError(f"heartbeat is not JSON: {_text(raw[:60])!r}") from None
+        if not isinstance(beat, dict):
+            raise ValueError(f"heartbeat is not a JSON object: {_text(raw[:60])!r}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in beat or (beat[f.name] is None and f.default is None):
+                continue
+            value = beat[f.name]
+            if f.type in ("int", "float", "int | None", "float | None"):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"heartbeat field {f.name!r} is not a number: {value!r}")
+                value = int(value) if f.type.startswith("int") else value
+            elif f.type == "bool":
+                value = bool(value)
+            else:
+                value = str(value)
+            values[f.name] = value
+        return cls(**values)

@@ -109,12 +109,6 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(default=3, ge=1)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
-    # Fault injection for chaos tests: a step whose batch holds a prompt containing this token
-    # id raises, as a model failure would. Never set in production.
-    fault_token_id: int | None = None
-    # Benchmarks only: replace the model by a stand-in whose every step takes this long (ms),
-    # so broker throughput can be measured without a GPU (see worker/synthetic.py).
-    synthetic_step_ms: float = Field(default=0.0, ge=0)
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -22,9 +22,10 @@ import httpx
 import pytest
 from rich.console import Console
 
-from ops.bench.client import Event, StreamError, Target, parse_event, send
-from ops.bench.config import BenchError, base_url, percentiles, positive_ints, rates, slo
-from ops.bench.dataset import (
+from ops.embedded_redis import free_port
+from ops.loadtest.client import Event, StreamError, Target, parse_event, send
+from ops.loadtest.config import BenchError, base_url, percentiles, positive_ints, rates, slo
+from ops.loadtest.dataset import (
     Prompt,
     _word_ids,
     count_tokens,
@@ -33,10 +34,9 @@ from ops.bench.dataset import (
     random_prompts,
     read_dataset,
 )
-from ops.bench.report import print_failures
-from ops.bench.session import fallback_warning
-from ops.bench.stats import RequestRecord, meets, peak_concurrency, summarize
-from ops.embedded_redis import free_port
+from ops.loadtest.report import print_failures
+from ops.loadtest.session import fallback_warning
+from ops.loadtest.stats import RequestRecord, meets, peak_concurrency, summarize
 from shared.settings import DEFAULT_MODEL
 from tests.stack import Stack
 

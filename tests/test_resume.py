@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from ops.probe import scrape
 from shared.keys import Keys
@@ -87,6 +88,22 @@ def test_a_finished_stream_replays_identically_from_any_replica(two_replicas: St
     refused = httpx.get(f"{two_replicas.url(1)}/v1/requests/{plain.headers['x-request-id']}/stream",
                         headers=AUTH)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_resumable"
+
+
+def test_a_resumed_stream_keeps_every_rendering_setting(two_replicas: Stack,
+                                                        tiny_model: Path) -> None:
+    """The stored view keeps each setting in its own place: a special token that the first
+    stream skipped (`skip_special_tokens` is true by default) is skipped on a resume too.
+    (The view once stored `skip_special_tokens` and `one_call` swapped.)"""
+    special = AutoTokenizer.from_pretrained(str(tiny_model)).eos_token_id
+    body = _body(max_tokens=6, logit_bias={str(special): 100})
+    with httpx.stream("POST", f"{two_replicas.url(0)}/v1/completions", json=body,
+                      headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        request_id = response.headers["x-request-id"]
+        whole = list(_events(response.iter_lines()))
+    assert _text(whole) == ""  # six special tokens, none shown
+    assert _resume(two_replicas.url(1), request_id, 0) == whole
 
 
 def test_killed_replica_stream_resumes_on_the_other(redis_url: str, tiny_model: Path) -> None:

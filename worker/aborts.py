@@ -14,7 +14,6 @@ was set):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys, replica_of
 from shared.redis_conn import stream_reply
+from shared.retry import RedisBackoff
 
 log = logging.getLogger("redserve.worker")
 
@@ -72,15 +72,13 @@ class AbortWatch:
     async def listen(self, redis: aioredis.Redis) -> None:
         """Hear announcements until cancelled (on its own blocking connection)."""
         last: bytes | str = f"{max(int(time.time() * 1000) - LOOKBACK_MS, 0)}-0"
-        backoff = 0.1
+        backoff = RedisBackoff("abort announcements", start=0.1, cap=5.0, log=log)
         while True:
             try:
                 reply = await redis.xread({self.keys.aborts: last}, block=LISTEN_BLOCK_MS)
-                backoff = 0.1
+                backoff.reset()
             except aioredis.RedisError as e:
-                log.warning("abort announcements: %s; retrying in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait(e)
                 continue
             for _, entries in stream_reply(reply):
                 for entry_id, fields in entries:

@@ -12,6 +12,7 @@ from shared.models import ModelInfo
 from shared.settings import Settings
 from worker import checkpoint
 from worker.constraint import Constraints
+from worker.dev_hooks import DevHooks
 from worker.dtype import dtype_name, pick_dtype
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool, budget_bytes
@@ -29,8 +30,9 @@ def pick_device(setting: str) -> torch.device:
 
 
 def build_engine(info: ModelInfo, settings: Settings) -> Engine:
-    if settings.synthetic_step_ms:
-        return _synthetic_engine(info, settings)
+    synthetic_step_ms = DevHooks().synthetic_step_ms
+    if synthetic_step_ms:
+        return _synthetic_engine(info, settings, synthetic_step_ms / 1000)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     log.info("computing in %s on %s (--dtype %s)", dtype_name(dtype), device, settings.dtype)
@@ -62,12 +64,12 @@ def build_constraints(info: ModelInfo) -> Constraints:
     return Constraints(tokenizer, max(vocab, len(tokenizer)), info.eos_token_ids)
 
 
-def _synthetic_engine(info: ModelInfo, settings: Settings) -> Engine:
+def _synthetic_engine(info: ModelInfo, settings: Settings, step_s: float) -> Engine:
     # Nothing to parallelise: more threads would only spin between steps and take CPU from
     # the processes being measured.
     torch.set_num_threads(1)
     vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
-    runner = SyntheticRunner(vocab, settings.synthetic_step_ms / 1000)
+    runner = SyntheticRunner(vocab, step_s)
     tokens = settings.max_running * info.max_model_len
     pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
     config = EngineConfig(max_running=settings.max_running, max_step_tokens=1 << 20,

@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError
 from shared.keys import WORKER_GROUP
 from shared.messages import GenerateRequest
 from shared.redis_conn import RedisClients, stream_reply
+from shared.retry import RedisBackoff
 from worker.aborts import LOOKBACK_MS, AbortWatch
 from worker.recovery import Claimed
 
@@ -99,7 +100,7 @@ class Intake:
         await self.clients.commands.expire(self.stream, self.request_ttl_s)
 
     async def run(self) -> None:
-        backoff = 0.1
+        backoff = RedisBackoff("reading requests", start=0.1, cap=5.0, log=log)
         while not self._stopping:
             room = self._room() - len(self.queue)
             if room <= 0:
@@ -111,7 +112,7 @@ class Intake:
                 continue
             try:
                 await self.offer(await self._read(room))
-                backoff = 0.1
+                backoff.reset()
             except aioredis.RedisError as e:
                 if "NOGROUP" in str(e):
                     log.warning("the request stream or its group is gone (expired, or Redis "
@@ -119,9 +120,7 @@ class Intake:
                     with contextlib.suppress(aioredis.RedisError):
                         await self.ensure_group()
                         continue
-                log.warning("reading requests: %s; retrying in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait(e)
 
     async def _read(self, room: int) -> list[Claimed]:
         response = await self.clients.blocking.xreadgroup(

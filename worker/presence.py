@@ -22,13 +22,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.messages import Heartbeat
 from worker.aborts import AbortWatch
 from worker.intake import Intake
 from worker.publisher import Publisher
@@ -44,7 +44,7 @@ class Presence:
     name: str
     model: str
     ttl_s: int
-    status: Callable[[], dict[str, Any]]  # the body of the status key (with generated_tokens)
+    status: Callable[[], Heartbeat]  # the worker's own figures (with generated_tokens)
     room: Callable[[], int]  # requests the worker can still take
     held: Callable[[], list[str]]  # ids of the requests it holds
     publisher: Publisher
@@ -85,11 +85,11 @@ class Presence:
         """Announce this worker: its status key, and its place among the model's live
         workers unless it is draining."""
         status = self.status()
-        body = {**status, "model": self.model, "draining": self.draining,
-                "at": round(time.time(), 3), "tokens_per_s": self._rate(status["generated_tokens"])}
+        beat = replace(status, draining=self.draining, at=round(time.time(), 3),
+                       tokens_per_s=self._rate(status.generated_tokens))
         workers = self.keys.workers(self.model)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.worker(self.name), orjson.dumps(body), ex=self.ttl_s)
+        pipe.set(self.keys.worker(self.name), beat.to_json(), ex=self.ttl_s)
         if self.draining:
             pipe.zrem(workers, self.name)
         else:

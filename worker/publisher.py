@@ -15,7 +15,7 @@ Staged per step, sent by `flush`:
   written is safe to acknowledge late: a worker that claims it finds the terminal entry and
   only acknowledges it;
 - requests handed back on drain.
-About one command per generated token: that is the budget (see ops/bench_redis.py).
+About one command per generated token: that is the budget (see ops/benchmarks/redis_cost.py).
 
 A flush that fails (Redis went away) keeps what must not be lost: the terminal entries, acks,
 queue releases and hand-backs go to an outbox that every later flush retries first, until it
@@ -36,7 +36,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared.keys import WORKER_GROUP, Keys, replica_of
-from shared.messages import Error, Finish, GenerateRequest, RequestState, Tokens, feed_fields
+from shared.messages import Error, Finish, GenerateRequest, RequestHash, Tokens, feed_fields
 from shared.settings import Settings
 from worker.engine import StepOutput
 from worker.metrics import Clock, WorkerMetrics
@@ -47,12 +47,6 @@ RESULTS_LOST = Error("some of the request's results were lost when Redis failed"
 # Feed entries kept per replica (one per worker step): its reader reads every step, so this
 # is tens of seconds of slack even with many busy workers.
 FEED_MAXLEN = 10_000
-
-_FINAL_STATE = {
-    "stop": RequestState.DONE,
-    "length": RequestState.DONE,
-    "abort": RequestState.ABORTED,
-}
 
 # KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON).
 _TERMINAL_ONCE = """
@@ -83,10 +77,18 @@ class Ending:
     """A request's terminal entry, until Redis has it."""
 
     request_id: str
-    fields: dict[str, str]
-    state: dict[str, str]
+    entry: Finish | Error
     expires: float  # unix time past which its keys are gone anyway: stop retrying
     clock: Clock | None = None  # its times, observed once it is written
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return self.entry.to_fields()
+
+    @property
+    def state(self) -> dict[str, str]:
+        """What the request's hash says once this is written."""
+        return RequestHash.ended(self.entry)
 
 
 @dataclass
@@ -175,14 +177,11 @@ class Publisher:
                 if tokens is not None:
                     self._xadd(out.request_id, tokens.to_fields())
                 continue
-            finish = Finish(out.finish, out.prompt_tokens, out.completion_tokens,
-                            out.cached_tokens, tokens)
-            self._end(out.request_id, finish.to_fields(), _FINAL_STATE[out.finish],
-                      {"completion_tokens": str(out.completion_tokens),
-                       "finish_reason": out.finish})
+            self._end(out.request_id, Finish(out.finish, out.prompt_tokens,
+                                             out.completion_tokens, out.cached_tokens, tokens))
 
     def stage_error(self, request_id: str, error: Error) -> None:
-        self._end(request_id, error.to_fields(), RequestState.ERROR, {})
+        self._end(request_id, error)
 
     def stage_running(self, request_id: str) -> None:
         self._staged.running.append((request_id, self.name))
@@ -240,7 +239,7 @@ class Publisher:
             pipe.zrem(self.queued_key, *member_batch)
         for request_id, worker in staged.running:
             state_key = self.keys.state(request_id)
-            pipe.hset(state_key, mapping={"state": RequestState.RUNNING, "worker": worker})
+            pipe.hset(state_key, mapping=RequestHash.running(worker))  # type: ignore[arg-type]
             pipe.expire(state_key, ttl)
         for request_id, fields in staged.tokens:
             out_key = self.keys.out(request_id)
@@ -287,7 +286,7 @@ class Publisher:
             pipe.xclaim(self.requests_key, WORKER_GROUP, self.name, 0, [entry_id],
                         idle=reclaim_ms + 1000, justid=True)
             state_key = self.keys.state(request_id)
-            pipe.hset(state_key, "state", RequestState.QUEUED)
+            pipe.hset(state_key, mapping=RequestHash.handed_back())  # type: ignore[arg-type]
             pipe.expire(state_key, self.settings.request_ttl_s)
 
     async def _retry_outbox(self) -> None:
@@ -322,28 +321,24 @@ class Publisher:
             if entry_id is not None:
                 self._batch.acks.append(entry_id)
             if self.metrics is not None:
-                fields = ending.fields
-                tokens = fields.get("completion_tokens")
-                self.metrics.ended(ending.request_id, ending.clock, _outcome(fields),
-                                   None if tokens is None else int(tokens), "ids" in fields, now)
+                entry = ending.entry
+                if isinstance(entry, Finish):
+                    self.metrics.ended(ending.request_id, ending.clock, entry.finish_reason,
+                                       entry.completion_tokens, entry.tokens is not None, now)
+                else:
+                    self.metrics.ended(ending.request_id, ending.clock, entry.code, None, False,
+                                       now)
 
     def _xadd(self, request_id: str, fields: dict[str, str]) -> None:
         self._staged.tokens.append((request_id, fields))
 
-    def _end(self, request_id: str, fields: dict[str, str], state: str,
-             extra: dict[str, str]) -> None:
+    def _end(self, request_id: str, entry: Finish | Error) -> None:
         if request_id in self.gapped:
             self.gapped.discard(request_id)
-            fields, state, extra = RESULTS_LOST.to_fields(), RequestState.ERROR, {}
+            entry = RESULTS_LOST
         clock = None if self.metrics is None else self.metrics.ending(request_id)
         expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
-        self._staged.endings.append(Ending(request_id, fields, {"state": state, **extra},
-                                           expires, clock))
-
-
-def _outcome(fields: dict[str, str]) -> str:
-    """A terminal entry's finish reason, or its error code."""
-    return fields.get("finish_reason") or fields["code"]
+        self._staged.endings.append(Ending(request_id, entry, expires, clock))
 
 
 def _chunks(items: list[str], size: int = 512) -> list[list[str]]:

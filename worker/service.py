@@ -26,12 +26,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Error, FinishReason, queue_timeout
+from shared.messages import Error, FinishReason, Heartbeat, queue_timeout
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect
+from shared.retry import RedisBackoff
 from shared.settings import Settings
 from worker.aborts import AbortWatch
 from worker.build import build_engine
+from worker.dev_hooks import DevHooks
 from worker.dtype import dtype_name
 from worker.engine import AdmissionError, Engine, StepOutput
 from worker.intake import Intake
@@ -67,24 +69,27 @@ class WorkerService:
             self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
             self.intake, self.aborts)
         self.stopping = asyncio.Event()
+        self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/dev_hooks.py)
 
     def _room(self) -> int:
         return self.settings.max_running - self.engine.num_requests
 
-    def _status(self) -> dict[str, Any]:
-        return {
-            "capacity": self.settings.max_running,
-            "running": len(self.engine.running),
-            "waiting": len(self.engine.waiting),
-            "kv_pages_free": self.engine.pages.available,
-            "kv_pages_used": self.engine.pages.in_use,
-            "kv_pages_cached": self.engine.pages.cached,
-            "generated_tokens": self.engine.num_generated,
-            "kv_pages_total": self.engine.pages.num_pages,
-            "device": str(self.engine.runner.device),
-            "dtype": dtype_name(self.engine.runner.kv_shape.dtype),
-            "outbox": self.publisher.backlog,
-        }
+    def _status(self) -> Heartbeat:
+        """What this worker knows of itself; the beat adds its time, rate and draining."""
+        return Heartbeat(
+            model=self.info.name,
+            capacity=self.settings.max_running,
+            running=len(self.engine.running),
+            waiting=len(self.engine.waiting),
+            kv_pages_used=self.engine.pages.in_use,
+            kv_pages_free=self.engine.pages.available,
+            kv_pages_cached=self.engine.pages.cached,
+            kv_pages_total=self.engine.pages.num_pages,
+            generated_tokens=self.engine.num_generated,
+            device=str(self.engine.runner.device),
+            dtype=dtype_name(self.engine.runner.kv_shape.dtype),
+            outbox=self.publisher.backlog,
+        )
 
     async def run(self) -> None:
         await self._until_redis(self.intake.ensure_group)
@@ -103,14 +108,12 @@ class WorkerService:
             await self._shutdown()
 
     async def _until_redis(self, action: Any) -> Any:
-        backoff = 0.2
+        backoff = RedisBackoff("Redis", start=0.2, cap=5.0, log=log)
         while not self.stopping.is_set():
             try:
                 return await action()
             except aioredis.RedisError as e:
-                log.warning("Redis: %s; retrying in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait(e)
 
     async def _serve(self) -> None:
         while not self.stopping.is_set():
@@ -134,17 +137,16 @@ class WorkerService:
         for claimed in self.intake.take():
             self.publisher.take(claimed.request, claimed.entry_id)
             self.publisher.stage_error(claimed.request.id, LOST_REDIS)
-        backoff = 0.2
+        backoff = RedisBackoff("Redis still unavailable", start=0.2, cap=5.0, log=log)
         while not self.stopping.is_set():  # stopping: the shutdown tries one last time
-            await asyncio.sleep(backoff)
+            await backoff.pause()
             try:
                 # Requests another worker claimed meanwhile are its own to end, not ours.
                 self.publisher.forget(await self.recovery.taken_by_others())
                 await self.publisher.flush()
                 await self.intake.ensure_group()
             except aioredis.RedisError as e:
-                backoff = min(backoff * 2, 5.0)
-                log.warning("Redis still unavailable (%s); retrying in %.1fs", e, backoff)
+                backoff.report(e)
                 continue
             log.info("Redis is back; serving again")
             return
@@ -164,7 +166,7 @@ class WorkerService:
             raise failure
 
     def _compute(self) -> list[StepOutput]:
-        fault = self.settings.fault_token_id
+        fault = self.fault_token_id
         if fault is not None and any(fault in s.request.prompt_ids
                                      for s in self.engine.running.values()):
             raise RuntimeError(f"injected fault (prompt token {fault})")

@@ -11,7 +11,8 @@ from fastapi import Request
 from api.choices import Choice
 from api.errors import APIError
 from api.replies.merge import entries, logprobs_of, usage_of
-from api.responses import ResponseFormat, WholeChoice
+from api.reply_spec import ReplySpec
+from api.responses import ReplyHeader, WholeChoice
 from shared.messages import Finish, Tokens
 
 # Worker error codes that are the client's fault or a capacity problem, not a server bug.
@@ -29,11 +30,11 @@ ERROR_STATUS = {
 
 
 async def collect_unless_disconnected(
-    request: Request, choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+    request: Request, choices: list[Choice], spec: ReplySpec
 ) -> dict[str, Any]:
     """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
     while collecting, and stop (closing then aborts the work) as soon as it comes."""
-    collect = asyncio.create_task(_collect(choices, fmt, prompt_tokens))
+    collect = asyncio.create_task(_collect(choices, spec.header, spec.prompt_tokens))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -51,7 +52,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int
+async def _collect(choices: list[Choice], header: ReplyHeader, prompt_tokens: int
                    ) -> dict[str, Any]:
     texts: dict[int, list[str]] = {c.index: [c.prefix] for c in choices}
     logprobs: dict[int, list[Any]] = {c.index: [] for c in choices}
@@ -78,7 +79,7 @@ async def _collect(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: in
         raise APIError(500, "result stream ended without a terminal entry", type="server_error")
     whole: list[WholeChoice] = [
         ("".join(texts[c.index]), c.finish_reason or "stop",
-         logprobs_of(fmt, logprobs[c.index], len(c.prefix)), calls[c.index])
+         logprobs_of(header, logprobs[c.index], len(c.prefix)), calls[c.index])
         for c in choices
     ]
-    return fmt.whole(whole, usage_of(choices, prompt_tokens))
+    return header.whole(whole, usage_of(choices, prompt_tokens))

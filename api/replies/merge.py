@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from api.choices import Choice, chat_logprobs, text_logprobs
-from api.responses import ResponseFormat, usage
+from api.responses import ReplyHeader, usage
 
 
 async def entries(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Any]]:
@@ -45,10 +45,11 @@ async def close_all(choices: list[Choice]) -> None:
         await choice.generation.close()
 
 
-def logprobs_of(fmt: ResponseFormat, items: list[Any], offset: int) -> dict[str, Any] | None:
+def logprobs_of(header: ReplyHeader, items: list[Any], offset: int
+                ) -> dict[str, Any] | None:
     if not items:
         return None
-    return chat_logprobs(items) if fmt.kind == "chat" else text_logprobs(items, offset)
+    return chat_logprobs(items) if header.kind == "chat" else text_logprobs(items, offset)
 
 
 def usage_of(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ client that lost the connection can resume after the last one it saw (`api.resum
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from fastapi.responses import Response
@@ -15,23 +15,16 @@ from starlette.background import BackgroundTask
 from api.choices import Choice
 from api.errors import error_body
 from api.replies.merge import close_all, entries, logprobs_of, usage_of
-from api.responses import ResponseFormat
+from api.reply_spec import ReplySpec, UsageMode
+from api.responses import ReplyHeader
 from api.tools.parse import ParsedCall
 from shared.messages import Error, Finish, Tokens
 
-# Where a stream reports usage: nowhere, in one last chunk (`include_usage`), or also in every
-# chunk as it stands so far (vLLM's `continuous_usage_stats`, which load testers read).
-UsageMode = Literal["off", "final", "every"]
 
-
-def usage_mode(include_usage: bool, continuous: bool) -> UsageMode:
-    return "every" if include_usage and continuous else "final" if include_usage else "off"
-
-
-def sse(choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, mode: UsageMode,
-        headers: dict[str, str], after: int = 0) -> Response:
+def sse(choices: list[Choice], spec: ReplySpec, headers: dict[str, str], after: int = 0
+        ) -> Response:
     return EventSourceResponse(
-        _numbered(_stream(choices, fmt, prompt_tokens, mode), after),
+        _numbered(_stream(choices, spec.header, spec.prompt_tokens, spec.usage_mode), after),
         headers=headers, sep="\n", ping=15,
         background=BackgroundTask(close_all, choices),
     )
@@ -53,12 +46,12 @@ def _sse_event(payload: dict[str, Any] | str) -> ServerSentEvent:
     return ServerSentEvent(data=data, sep="\n")
 
 
-def _final_text(fmt: ResponseFormat) -> str | None:
-    return None if fmt.kind == "chat" else ""
+def _final_text(header: ReplyHeader) -> str | None:
+    return None if header.kind == "chat" else ""
 
 
 async def _stream(
-    choices: list[Choice], fmt: ResponseFormat, prompt_tokens: int, mode: UsageMode
+    choices: list[Choice], header: ReplyHeader, prompt_tokens: int, mode: UsageMode
 ) -> AsyncIterator[ServerSentEvent]:
     offsets = {c.index: len(c.prefix) for c in choices}
     called = {c.index: 0 for c in choices}  # tool calls sent so far, per choice
@@ -73,43 +66,45 @@ async def _stream(
         # Each call whole in one delta: name, id and all of its arguments.
         first = called[choice.index]
         called[choice.index] += len(calls)
-        return _event(fmt.chunk(choice.index, None, tool_calls=[
+        return _event(header.chunk(choice.index, None, tool_calls=[
             call.as_openai(first + k) for k, call in enumerate(calls)]))
 
     try:
         for c in choices:
-            if fmt.kind == "chat":
-                yield _event(fmt.chunk(c.index, "", role=True))
+            if header.kind == "chat":
+                yield _event(header.chunk(c.index, "", role=True))
             elif c.prefix:
-                yield _event(fmt.chunk(c.index, c.prefix))
+                yield _event(header.chunk(c.index, c.prefix))
         async for choice, entry in entries(choices):
             if choice.finish_reason is not None:
                 continue  # ended here by a stop string; the worker's late entries are moot
             if isinstance(entry, Tokens):
                 text, items, calls = choice.on_tokens(entry)
                 if text or items:
-                    yield _event(fmt.chunk(choice.index, text,
-                                           logprobs=logprobs_of(fmt, items,
-                                                                offsets[choice.index])))
+                    yield _event(header.chunk(choice.index, text,
+                                              logprobs=logprobs_of(header, items,
+                                                                   offsets[choice.index])))
                     offsets[choice.index] += len(text)
                 if calls:
                     yield _calls(choice, calls)
                 if choice.finish_reason is not None:
-                    yield _event(fmt.chunk(choice.index, _final_text(fmt), choice.finish_reason))
+                    yield _event(header.chunk(choice.index, _final_text(header),
+                                              choice.finish_reason))
                     await choice.generation.close("stop")  # tells the worker to stop now
             elif isinstance(entry, Finish):
                 tail, calls = choice.on_finish(entry)
                 if tail:
-                    yield _event(fmt.chunk(choice.index, tail))
+                    yield _event(header.chunk(choice.index, tail))
                 if calls:
                     yield _calls(choice, calls)
-                yield _event(fmt.chunk(choice.index, _final_text(fmt), choice.finish_reason))
+                yield _event(header.chunk(choice.index, _final_text(header),
+                                          choice.finish_reason))
             elif isinstance(entry, Error):
                 yield _sse_event(error_body(entry.message, entry.type, None, entry.code))
                 failed = True
                 break
         if mode != "off" and not failed:
-            yield _sse_event(fmt.usage_chunk(usage_of(choices, prompt_tokens)))
+            yield _sse_event(header.usage_chunk(usage_of(choices, prompt_tokens)))
         yield _sse_event("[DONE]")
     finally:
         await close_all(choices)

@@ -14,23 +14,30 @@ an operator's view must not fail on the one key that needs looking at.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ops.inspector.keyspace import text, walk
 from shared.keys import QUEUE_STALE_MARGIN_S, WORKER_GROUP, Keys, replica_of
-from shared.messages import RequestState
+from shared.messages import (
+    Finish,
+    Heartbeat,
+    RequestField,
+    RequestHash,
+    RequestState,
+    Tokens,
+    decode_result,
+)
 
 BATCH = 200
-HASH_FIELDS = ("state", "model", "tenant", "created", "prompt_tokens", "worker", "streaming",
-               "detached")
+HASH_FIELDS = (RequestField.STATE, RequestField.MODEL, RequestField.TENANT, RequestField.CREATED,
+               RequestField.PROMPT_TOKENS, RequestField.WORKER, RequestField.STREAMING,
+               RequestField.DETACHED)
 FINISHED = frozenset({RequestState.DONE, RequestState.ABORTED, RequestState.ERROR})
 T = TypeVar("T")
 
@@ -101,22 +108,8 @@ class Snapshot:
 class _Live:
     """An unfinished request whose hash reads as numbers where it should."""
 
-    created: float
-    prompt_tokens: int
     id: str
-    fields: dict[str, str | None]
-
-
-def _number(fields: dict[str, str | None], name: str) -> float:
-    """A field that must hold a number (absent: 0), or ValueError saying what it holds."""
-    raw = fields[name]
-    try:
-        value = float(raw or 0)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise ValueError(f"field {name!r} is not a number: {raw!r}")
-    return value
+    record: RequestHash
 
 
 def request_state(state: str, *, streaming: bool, detached: bool, aborted: bool,
@@ -151,24 +144,24 @@ async def take(redis: aioredis.Redis, keys: Keys, *, queue_timeout_s: float,
                                      for v in values or [None] * len(HASH_FIELDS)],
                        strict=True)) for [values] in hashes]
     mine = [(i, f) for i, f in zip(ids, fields, strict=True)
-            if f["state"] is not None and (model is None or f["model"] == model)]
+            if f[RequestField.STATE] is not None
+            and (model is None or f[RequestField.MODEL] == model)]
     live: list[_Live] = []
     unreadable: list[Unreadable] = []
     for request_id, f in mine:
-        if f["state"] in FINISHED:
+        if f[RequestField.STATE] in FINISHED:
             continue
         try:
-            live.append(_Live(_number(f, "created"), int(_number(f, "prompt_tokens")),
-                              request_id, f))
+            live.append(_Live(request_id, RequestHash.decode(f)))
         except ValueError as e:
             unreadable.append(Unreadable(keys.state(request_id), str(e)))
-    live.sort(key=lambda r: (r.created, r.id))
+    live.sort(key=lambda r: (r.record.created, r.id))
     listed = live[:limit]
     requests = await _requests(redis, keys, listed, now, unreadable)
     workers = await _workers(redis, keys, sorted(found.workers), model, now, unreadable)
     names = {model} if model else (found.models | {w.model for w in workers}
-                                   | {f["model"] for _, f in mine if f["model"]})
-    finished = sum(f["state"] in FINISHED for _, f in mine)
+                                   | {m for _, f in mine if (m := f[RequestField.MODEL])})
+    finished = sum(f[RequestField.STATE] in FINISHED for _, f in mine)
     return Snapshot(
         taken_at=round(now, 3), key_prefix=keys.prefix, model_filter=model,
         in_flight=len(live), omitted=len(live) - len(listed), finished=finished,
@@ -188,9 +181,9 @@ async def _requests(redis: aioredis.Redis, keys: Keys, listed: list[_Live], now:
     views = []
     for r, (aborted, resumed, last) in zip(listed, await _batched(redis, listed, 3, stage),
                                            strict=True):
-        f = r.fields
-        state = request_state(str(f["state"]), streaming=f["streaming"] == "1",
-                              detached=f["detached"] is not None, aborted=bool(aborted),
+        record = r.record
+        state = request_state(record.state, streaming=record.streaming,
+                              detached=record.detached is not None, aborted=bool(aborted),
                               resumed=bool(resumed))
         try:
             generated: int | None = _generated(last)
@@ -198,10 +191,10 @@ async def _requests(redis: aioredis.Redis, keys: Keys, listed: list[_Live], now:
             generated = None
             unreadable.append(Unreadable(keys.out(r.id), str(e)))
         views.append(RequestView(
-            id=r.id, model=f["model"] or "", tenant=f["tenant"] or "", state=state,
-            age_s=round(max(now - r.created, 0.0), 1), prompt_tokens=r.prompt_tokens,
+            id=r.id, model=record.model, tenant=record.tenant, state=state,
+            age_s=round(max(now - record.created, 0.0), 1), prompt_tokens=record.prompt_tokens,
             generated_tokens=generated,
-            worker=f["worker"] if f["state"] == RequestState.RUNNING else None,
+            worker=record.worker if record.state == RequestState.RUNNING else None,
             replica=replica_of(r.id)))
     return views
 
@@ -212,14 +205,15 @@ def _generated(last: list[tuple[bytes, dict[bytes, bytes]]] | None) -> int:
     a bare finish holds the count. ValueError for an entry that holds no such numbers."""
     if not last:
         return 0  # no stream yet, or a key of another type (its command failed)
-    fields = last[0][1]
     try:
-        if b"index" in fields:
-            ids = fields.get(b"ids", b"")
-            return int(fields[b"index"]) + (len(ids.split(b",")) if ids else 0)
-        return int(fields.get(b"completion_tokens", 0))
-    except ValueError:
+        entry = decode_result(last[0][1])
+    except (KeyError, ValueError):
         raise ValueError(f"its last entry ({text(last[0][0])}) holds no token count") from None
+    if isinstance(entry, Finish):
+        entry = entry.tokens or entry
+    if isinstance(entry, Tokens):
+        return entry.index + len(entry.ids)
+    return entry.completion_tokens if isinstance(entry, Finish) else 0
 
 
 async def _workers(redis: aioredis.Redis, keys: Keys, names: list[str], model: str | None,
@@ -240,34 +234,15 @@ async def _workers(redis: aioredis.Redis, keys: Keys, names: list[str], model: s
 
 
 def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
-    """A worker's heartbeat (see worker/presence.py), or ValueError saying what is wrong."""
-    try:
-        beat = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise ValueError(f"heartbeat is not JSON: {text(raw[:60])!r}") from None
-    if not isinstance(beat, dict):
-        raise ValueError(f"heartbeat is not a JSON object: {text(raw[:60])!r}")
-
-    def number(field: str, default: float | None = 0) -> float | None:
-        value = beat.get(field, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"heartbeat field {field!r} is not a number: {value!r}")
-        return value
-
-    def count(field: str, default: float = 0) -> int:
-        return int(number(field, default) or 0)
-
-    total, free = count("kv_pages_total"), count("kv_pages_free")
-    at, rate = number("at", None), number("tokens_per_s", None)
+    """A worker's heartbeat, or ValueError saying what is wrong with it."""
+    beat = Heartbeat.from_json(raw)
     return WorkerView(
-        name=name, model=str(beat.get("model", "")),
-        heartbeat_age_s=None if at is None else round(max(now - at, 0.0), 1),
-        running=count("running"), waiting=count("waiting"), capacity=count("capacity"),
-        kv_pages_used=count("kv_pages_used", total - free), kv_pages_free=free,
-        kv_pages_total=total, tokens_per_s=rate, device=str(beat.get("device", "")),
-        dtype=str(beat.get("dtype", "")), draining=bool(beat.get("draining", False)))
+        name=name, model=beat.model,
+        heartbeat_age_s=None if beat.at is None else round(max(now - beat.at, 0.0), 1),
+        running=beat.running, waiting=beat.waiting, capacity=beat.capacity,
+        kv_pages_used=beat.pages_used, kv_pages_free=beat.kv_pages_free,
+        kv_pages_total=beat.kv_pages_total, tokens_per_s=beat.tokens_per_s, device=beat.device,
+        dtype=beat.dtype, draining=beat.draining)
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

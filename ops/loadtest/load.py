@@ -21,10 +21,10 @@ import httpx
 from rich.progress import Progress
 from tokenizers import Tokenizer
 
-from ops.bench.client import Target, send
-from ops.bench.config import LoadPoint
-from ops.bench.dataset import Prompt
-from ops.bench.stats import RequestRecord
+from ops.loadtest.client import Target, send
+from ops.loadtest.config import LoadPoint
+from ops.loadtest.dataset import Prompt
+from ops.loadtest.stats import RequestRecord
 
 
 async def run_point(client: httpx.AsyncClient, target: Target, prompts: list[Prompt],

@@ -23,9 +23,9 @@ import httpx
 import orjson
 from tokenizers import Tokenizer
 
-from ops.bench.config import BenchError
-from ops.bench.dataset import Prompt, count_tokens
-from ops.bench.stats import RequestRecord
+from ops.loadtest.config import BenchError
+from ops.loadtest.dataset import Prompt, count_tokens
+from ops.loadtest.stats import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One request, measured end to end against transformers `generate` on the same prompt.
 
-    python -m ops.bench_single [--cold] [--max-tokens 128]
+    python -m ops.benchmarks.single [--cold] [--max-tokens 128]
 
 Starts `redserve up` (embedded Redis, default model) on a free port and reports:
 - start-up: from launching `redserve up` to the first answered request (`--cold` points the

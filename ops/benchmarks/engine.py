@@ -1,11 +1,11 @@
 """The worker engine offline, side by side with what a user would otherwise run.
 
-    python -m ops.bench_engine [--requests 64] [--max-tokens 128] [--only NAME]
+    python -m ops.benchmarks.engine [--requests 64] [--max-tokens 128] [--only NAME]
 
 One workload (seeded): `--requests` prompts of 100-300 random tokens, `--max-tokens` output
 tokens each with EOS ignored, greedy, on the default model (SmolLM2-135M) at `--dtype` (fp32
-by default, the dtype these targets were set at; `python -m ops.bench_step` and
-`python -m ops.bench_serve` measure the bf16 engine against peers at their best dtype). Each
+by default, the dtype these targets were set at; `python -m ops.benchmarks.step` and
+`python -m ops.benchmarks.serve` measure the bf16 engine against peers at their best dtype). Each
 system runs in its own process, so each peak RSS is its own:
 - redserve: the worker engine (`worker/engine.py`), every request added at once;
 - generate_batch: transformers' continuous batching (`attn_implementation="paged|sdpa"`);
@@ -157,7 +157,7 @@ def main() -> None:
         if system in args.skip:
             continue
         with console.status(f"{system}: {args.requests} requests x {args.max_tokens} tokens"):
-            cmd = [sys.executable, "-m", "ops.bench_engine", "--only", system,
+            cmd = [sys.executable, "-m", "ops.benchmarks.engine", "--only", system,
                    "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
                    "--kv-bytes", str(args.kv_bytes), "--dtype", args.dtype]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)

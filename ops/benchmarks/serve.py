@@ -1,6 +1,6 @@
 """redserve end to end against `transformers serve` and transformers itself, in one run.
 
-    python -m ops.bench_serve [--streams 32] [--max-tokens 64] [--dtypes bfloat16 float32]
+    python -m ops.benchmarks.serve [--streams 32] [--max-tokens 64] [--dtypes bfloat16 float32]
 
 Every figure is measured in this run on this machine, each server alone on it:
 - 32 concurrent streams x up to 64 tokens through HTTP (chat completions asking for long
@@ -34,10 +34,10 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from ops.bench_single import generate_timing
+from ops.benchmarks.machine import descendants, describe, peak_rss_mib
+from ops.benchmarks.single import generate_timing
 from ops.console import make_console
 from ops.embedded_redis import free_port
-from ops.machine import descendants, describe, peak_rss_mib
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 

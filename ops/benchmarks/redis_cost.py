@@ -1,7 +1,7 @@
 """What Redis costs per generated token, end to end: commands and Redis CPU under concurrent
 streams, so the broker's overhead is a number checked against its targets, not a guess.
 
-    python -m ops.bench_redis [--streams 32] [--requests 3] [--max-tokens 64 256]
+    python -m ops.benchmarks.redis_cost [--streams 32] [--requests 3] [--max-tokens 64 256]
                               [--synthetic-step-ms X] [--redis-url URL]
 
 Starts its own Valkey (so the server's stats are this run's alone; `--redis-url` points at
@@ -40,9 +40,9 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.machine import describe
 from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.machine import describe
 from ops.probe import wait_healthy
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings

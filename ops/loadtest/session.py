@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.text import Text
 from tokenizers import Tokenizer
 
-from ops.bench.client import Target, discover_model, headers, send
-from ops.bench.config import BenchConfig, BenchError
-from ops.bench.dataset import (
+from ops.console import make_progress
+from ops.loadtest.client import Target, discover_model, headers, send
+from ops.loadtest.config import BenchConfig, BenchError
+from ops.loadtest.dataset import (
     DEFAULT_RANDOM_PROMPTS,
     Prompt,
     load_tokenizer,
@@ -25,16 +26,15 @@ from ops.bench.dataset import (
     random_prompts,
     read_dataset,
 )
-from ops.bench.load import run_point
-from ops.bench.report import (
+from ops.loadtest.load import run_point
+from ops.loadtest.report import (
     RunResult,
     print_run,
     print_sweep,
     result_document,
     write_result,
 )
-from ops.bench.stats import summarize
-from ops.console import make_progress
+from ops.loadtest.stats import summarize
 
 
 def prompts_for(config: BenchConfig, tokenizer: Tokenizer, run: str,
@@ -77,7 +77,7 @@ async def bench(config: BenchConfig, console: Console) -> int:
         write_result(config.result_json, result_document(config, model, counted_in, results))
         console.print(Text(f"results written to {config.result_json}"))
     if config.plot is not None:
-        from ops.bench.plot import plot_sweep
+        from ops.loadtest.plot import plot_sweep
 
         plot_sweep(config.plot, results, f"{model} at {config.base_url}")
         console.print(Text(f"plot written to {config.plot}"))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ops.bench.config import BenchError
-from ops.bench.report import RunResult
-from ops.bench.stats import Distribution
+from ops.loadtest.config import BenchError
+from ops.loadtest.report import RunResult
+from ops.loadtest.stats import Distribution
 
 
 def require_matplotlib() -> None:

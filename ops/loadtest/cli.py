@@ -13,7 +13,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from ops.bench.config import (
+from ops.loadtest.config import (
     BenchConfig,
     BenchError,
     base_url,
@@ -124,12 +124,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from(args)
         if config.plot is not None:  # found out before the load, not after it
-            from ops.bench.plot import require_matplotlib
+            from ops.loadtest.plot import require_matplotlib
 
             require_matplotlib()
     except BenchError as e:
         return fail(e, 2)
-    from ops.bench.session import bench
+    from ops.loadtest.session import bench
 
     try:
         return asyncio.run(bench(config, make_console()))

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ops.bench.config import BenchConfig, BenchError, LoadPoint
-from ops.bench.stats import Distribution, RequestRecord, Summary
+from ops.loadtest.config import BenchConfig, BenchError, LoadPoint
+from ops.loadtest.stats import Distribution, RequestRecord, Summary
 
 _LATENCIES = (("ttft", "TTFT", "time to first token"),
               ("tpot", "TPOT", "time per output token, after the first"),

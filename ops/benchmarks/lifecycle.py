@@ -1,7 +1,7 @@
 """Lifecycle benchmarks on a live `redserve up` (embedded Redis, one replica, one worker).
 
-    python -m ops.bench_lifecycle cancel [--cancels 200] [--load 8]
-    python -m ops.bench_lifecycle slow [--streams 200] [--seconds 60]
+    python -m ops.benchmarks.lifecycle cancel [--cancels 200] [--load 8]
+    python -m ops.benchmarks.lifecycle slow [--streams 200] [--seconds 60]
 
 cancel: while `--load` long streams keep the worker busy, clients open streams, read 1-5
   events and hang up. For each, the latency is from the hang-up to the worker's abort entry
@@ -42,6 +42,7 @@ from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
 from ops.probe import wait_healthy
 from shared.keys import Keys
+from shared.messages import Finish, decode_result, is_terminal
 from shared.models import resolve_model
 from shared.redis_conn import StreamEntries
 from shared.settings import DEFAULT_MODEL, Settings
@@ -136,8 +137,9 @@ async def _cancel_bench(base: str, redis_url: str, cancels: int, load: int) -> N
     latencies = []
     for rid, hung_up in results:
         entries = _entries(r, keys.out(rid))
-        terminal = [e for e, f in entries if f[b"kind"] != b"tokens"]
-        if not terminal or entries[-1][1].get(b"finish_reason") != b"abort":
+        terminal = [e for e, f in entries if is_terminal(f)]
+        last = decode_result(entries[-1][1]) if terminal else None
+        if not isinstance(last, Finish) or last.finish_reason != "abort":
             continue  # finished before the abort landed
         latencies.append(_entry_ms(terminal[0]) - hung_up * 1000)
     intervals = []

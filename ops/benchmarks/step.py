@@ -1,6 +1,6 @@
 """Where a decode step of the engine goes, against the matrix work it cannot avoid.
 
-    python -m ops.bench_step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
+    python -m ops.benchmarks.step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
 
 For each batch size B, on the default model: B requests with prompts of `--context` random
 tokens are prefilled, then decode steps run (greedy, EOS ignored) and are timed, median of
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from ops.benchmarks.machine import describe
 from ops.console import make_console
-from ops.machine import describe
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings

@@ -31,7 +31,7 @@ from huggingface_hub import (
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-from ops.bench.config import BenchError
+from ops.loadtest.config import BenchError
 from shared.models import ModelNotFound, resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 

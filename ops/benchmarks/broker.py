@@ -2,7 +2,7 @@
 the model replaced by a fixed-time stand-in (`REDSERVE_SYNTHETIC_STEP_MS`, see
 worker/synthetic.py), so that what is measured is the serving layer, not a CPU-bound model.
 
-    python -m ops.bench_broker [--step-ms 50] [--max-running 16] [--tokens 32]
+    python -m ops.benchmarks.broker [--step-ms 50] [--max-running 16] [--tokens 32]
                                [--concurrency 96] [--seconds 15]
 
 For 1, 2 and 4 workers with 1 and 2 API replicas: start the topology (its own Valkey unless

@@ -1,6 +1,6 @@
 """What grammar-constrained rows cost the unconstrained rows that share their batch.
 
-    python -m ops.bench_constrained [--dtype auto|float32] [--decode 128] [--reps 3]
+    python -m ops.benchmarks.constrained [--dtype auto|float32] [--decode 128] [--reps 3]
 
 The target: constrained rows may slow the unconstrained rows of the same batch by at most 10%.
 Every row of a batch decodes in the same steps, so whatever the masks cost is paid by all 32
@@ -37,8 +37,8 @@ import torch
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from ops.benchmarks.machine import describe
 from ops.console import make_console
-from ops.machine import describe
 from shared import grammar
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model

@@ -1,0 +1,282 @@
+"""What runs next: the queue, the running set, their KV pages, and each step's plan.
+
+Continuous batching over the paged KV cache: requests join and leave between steps, and every
+step's batch is decided here, as one `SchedulerOutput`, before the model runs. Keeping it apart
+from the engine gives the page accounting a single owner: only this module allocates, reserves,
+publishes and frees pages, so a page can be lost or double-freed in one file only, and the
+engine is left with running a plan and sampling from its logits.
+
+`schedule` takes, in order:
+1. one decode token for every running request whose prompt is done (oldest first); when no
+   page is left for one, the newest running request is preempted: its pages go back and it
+   returns to the head of the queue, to be recomputed (cheaply, from its published pages).
+   Decodes claim pages before any prompt chunk and don't count against the budget, so a
+   decoding request advances every step unless the pool itself runs dry; the newest is
+   preempted first, so requests keep the order they came in (first come, first served);
+2. the next chunk of every request still in prefill, under the per-step token budget, so a
+   long prompt delays running decodes by one chunk at most;
+3. new requests from the queue, while the budget, the running cap and the free pages allow;
+   each first takes whatever full pages of its prompt the prefix cache holds.
+The engine runs the plan's chunks in one forward pass, then calls `mark_computed` (the chunks'
+KV is now in their pages: full pages are published to the prefix cache) and `finish` for every
+request that ended.
+
+Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
+`schedule` runs on the compute thread; `request_ids` is the one method made safe to call
+while a step runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from shared.messages import GenerateRequest
+from worker.model_runner import Chunk
+from worker.pages import PageManager
+from worker.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The engine's limits on a step's batch, and the shape of the KV pool it fills."""
+
+    max_running: int  # requests running at once, at most
+    max_step_tokens: int  # prefill tokens scheduled per step, beside the decode tokens
+    num_pages: int  # pages in the KV pool
+    page_size: int  # tokens a page holds
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request's first step was scheduled: it leaves the queue (its queue time ends)."""
+
+    request: GenerateRequest
+    at: float  # unix time
+    resumed: int  # completion tokens an earlier worker had published (0: a fresh request)
+    cached: int  # prompt tokens taken from the prefix cache
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The next `num_tokens` tokens of `seq` (from its first uncomputed one) run this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's batch, fixed before the forward pass: the engine runs `chunks` and samples
+    for `sampled`, and hands the plan back to `mark_computed`. Falsy when nothing runs."""
+
+    # In the runner's order: multi-token chunks first; a prompt's last token after a cached
+    # prefix is shaped like a decode token and runs with them.
+    scheduled: tuple[Scheduled, ...]
+    chunks: tuple[Chunk, ...]  # scheduled[i]'s tokens, positions and page table
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The requests whose chunk reaches their last token, in the order of the logits' rows
+        (the runner returns logits for those chunks only)."""
+        return [s.seq for s, chunk in zip(self.scheduled, self.chunks, strict=True)
+                if chunk.sample]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pages = PageManager(config.num_pages, config.page_size,
+                                 prefix_caching=config.prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}  # in admission order: the last is the newest
+        self.num_preempted = 0
+        # Since `take_admissions` was last called; bounded for an engine no service drains.
+        self._admissions: deque[Admitted] = deque(maxlen=4096)
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens of KV the whole pool holds: a request that may grow past it can never run."""
+        return self.pages.num_pages * self.pages.page_size
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def request_ids(self) -> list[str]:
+        # Copies taken in one C call each: safe to call while a step runs on its thread.
+        return [*tuple(self.running), *(s.request.id for s in tuple(self.waiting))]
+
+    def find(self, request_id: str) -> Sequence | None:
+        seq = self.running.get(request_id)
+        if seq is None:
+            seq = next((s for s in self.waiting if s.request.id == request_id), None)
+        return seq
+
+    def take_admissions(self) -> list[Admitted]:
+        """Requests that left the queue for their first step since the last call."""
+        admissions = list(self._admissions)
+        self._admissions.clear()
+        return admissions
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting request; its prefix-cache chain starts at its
+        tenant's root, so tenants never share pages."""
+        seq.cache_root = self.pages.root(seq.request.tenant)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its pages now. True if it was here."""
+        seq = self.running.pop(request_id, None) or self.find(request_id)
+        if seq is None:
+            return False
+        if seq in self.waiting:  # by identity: a Sequence compares as itself only
+            self.waiting.remove(seq)
+        self._release(seq)
+        return True
+
+    def drop_running(self) -> list[Sequence]:
+        """Remove every running request (after a failed step) and free its pages."""
+        dropped = list(self.running.values())
+        for seq in dropped:
+            self._release(seq)
+        self.running.clear()
+        return dropped
+
+    def drop_waiting(self, *, unstarted_only: bool = False) -> list[Sequence]:
+        """Remove queued requests; with `unstarted_only`, keep the preempted ones (they have
+        published tokens, so only this engine can finish them without a repeat)."""
+        dropped = [s for s in self.waiting if not (unstarted_only and s.admitted)]
+        for seq in dropped:
+            self._release(seq)
+        self.waiting = deque(s for s in self.waiting if unstarted_only and s.admitted)
+        return dropped
+
+    def schedule(self) -> SchedulerOutput:
+        """This step's batch; its pages are reserved, so the forward pass cannot run out."""
+        decodes = self._schedule_decodes()
+        prefills = self._schedule_prefills(self.config.max_step_tokens, {id(s) for s, _ in decodes})
+        batch = sorted(prefills + decodes, key=lambda it: it[0].num_computed > 0 and it[1] == 1)
+        chunks = []
+        for seq, n in batch:
+            end = seq.num_computed + n
+            chunks.append(Chunk(seq.tokens[seq.num_computed : end], seq.num_computed, seq.pages,
+                                sample=end == len(seq.tokens)))
+        return SchedulerOutput(tuple(Scheduled(seq, n) for seq, n in batch), tuple(chunks))
+
+    def mark_computed(self, plan: SchedulerOutput) -> None:
+        """The plan's forward pass ran: its tokens' KV is in their pages, and every page it
+        filled is published for later prompts that start the same way."""
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed,
+                               seq.cache_root)
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ended (finished or failed): it leaves the running set and its pages go back."""
+        del self.running[seq.request.id]
+        self._release(seq)
+
+    def _schedule_decodes(self) -> list[tuple[Sequence, int]]:
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running.values()):
+            if seq.request.id not in self.running or len(seq.tokens) - seq.num_computed != 1:
+                continue  # preempted below, or still in prefill
+            while not self._reserve(seq, len(seq.tokens)):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, 1))
+        return scheduled
+
+    def _schedule_prefills(self, budget: int, busy: set[int]) -> list[tuple[Sequence, int]]:
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running.values()):
+            remaining = len(seq.tokens) - seq.num_computed
+            if seq.request.id not in self.running or remaining <= 1 or budget <= 0:
+                continue
+            n = self._fit(seq, min(remaining, budget))
+            while n == 0:
+                # Out of pages with prompts half-done: the newest request not yet in this step
+                # makes room (possibly this one), so some prefill always progresses.
+                victim = next(s for s in reversed(self.running.values()) if id(s) not in busy)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                n = self._fit(seq, min(remaining, budget))
+            if n:
+                scheduled.append((seq, n))
+                busy.add(id(seq))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if not seq.pages:
+                seq.pages, seq.page_keys = self.pages.match(seq.tokens, seq.cache_root)
+                seq.num_computed = len(seq.pages) * self.pages.page_size
+                if not seq.admitted:
+                    seq.num_cached = min(seq.num_computed, seq.num_prompt)
+            # Admit only a prompt whose every page is free now, so that half-done prompts
+            # don't crowd each other out; its first chunk may still be smaller.
+            if self.pages.pages_for(len(seq.tokens)) - len(seq.pages) > self.pages.available:
+                self._release(seq)  # hold no cached pages while waiting
+                break  # for running requests to free pages
+            n = self._fit(seq, min(len(seq.tokens) - seq.num_computed, budget))
+            self.waiting.popleft()
+            if not seq.admitted:
+                seq.admitted_at = time.time()
+                self._admissions.append(Admitted(seq.request, seq.admitted_at, seq.num_output,
+                                                 seq.num_cached))
+            seq.admitted = True
+            self.running[seq.request.id] = seq
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Reserve pages for up to `n` more tokens of `seq`; returns how many fit."""
+        page_size = self.pages.page_size
+        room = (len(seq.pages) + self.pages.available) * page_size - seq.num_computed
+        n = min(n, room)
+        if n > 0:
+            self._reserve(seq, seq.num_computed + n)
+        return max(n, 0)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s page table cover `num_tokens` tokens."""
+        needed = self.pages.pages_for(num_tokens) - len(seq.pages)
+        if needed <= 0:
+            return True
+        pages = self.pages.allocate(needed)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.request.id]
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.num_preempted += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back `seq`'s pages and forget its KV; it keeps its tokens, so it can be
+        scheduled again from scratch (mostly from the prefix cache)."""
+        self.pages.release(seq.pages)
+        seq.pages = []
+        seq.page_keys = []
+        seq.num_computed = 0
