@@ -76,7 +76,16 @@ async def _worker_status(ctx: AppContext) -> dict[str, Any]:
     for name in names:
         pipe.get(ctx.keys.worker(name))
     bodies = await pipe.execute()
-    return {n: asdict(Heartbeat.from_json(b)) for n, b in zip(names, bodies, strict=True) if b}
+    return {n: _shown(b) for n, b in zip(names, bodies, strict=True) if b}
+
+
+def _shown(raw: bytes) -> dict[str, Any]:
+    """A worker's heartbeat as /health lists it; one that is not a heartbeat is shown as such
+    (Redis answered: the replica is healthy whatever one key holds)."""
+    try:
+        return asdict(Heartbeat.from_json(raw))
+    except ValueError as e:
+        return {"unreadable": str(e)}
 
 
 @router.get("/ready")

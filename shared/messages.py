@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -296,8 +297,8 @@ class RequestHash:
     @classmethod
     def decode(cls, raw: Mapping[bytes, bytes | None] | Mapping[str, str | None]
                | Mapping[RequestField, str | None]) -> RequestHash:
-        """From HGETALL or HMGET (`FIELDS`) replies. ValueError naming the field for a hash
-        with no state or with a count that is not a number."""
+        """From an HGETALL reply, or HMGET's as {field: value}. ValueError naming the field for
+        a hash with no state or with a number field that is not a number."""
         f = {_text(k): _text(v) for k, v in raw.items() if v is not None}
         state = f.get(RequestField.STATE)
         if state is None:
@@ -370,7 +371,7 @@ class Heartbeat:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Heartbeat:
+    def from_json(cls, raw: bytes | str) -> Heartbeat:
         """ValueError saying what is wrong with a body that is not a heartbeat."""
         try:
             beat = orjson.loads(raw)
@@ -382,14 +383,15 @@ class Heartbeat:
         for f in dataclasses.fields(cls):
             if f.name not in beat or (beat[f.name] is None and f.default is None):
                 continue
-            value = beat[f.name]
-            if f.type in ("int", "float", "int | None", "float | None"):
+            value, kind = beat[f.name], _HEARTBEAT_TYPES[f.name]
+            if kind in (int, float, int | None, float | None):
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise ValueError(f"heartbeat field {f.name!r} is not a number: {value!r}")
-                value = int(value) if f.type.startswith("int") else value
-            elif f.type == "bool":
-                value = bool(value)
+                value = int(value) if kind in (int, int | None) else value
             else:
-                value = str(value)
+                value = bool(value) if kind is bool else str(value)
             values[f.name] = value
         return cls(**values)
+
+
+_HEARTBEAT_TYPES = typing.get_type_hints(Heartbeat)

@@ -207,7 +207,7 @@ def _generated(last: list[tuple[bytes, dict[bytes, bytes]]] | None) -> int:
         return 0  # no stream yet, or a key of another type (its command failed)
     try:
         entry = decode_result(last[0][1])
-    except (KeyError, ValueError):
+    except (KeyError, TypeError, ValueError):  # not an entry redserve writes
         raise ValueError(f"its last entry ({text(last[0][0])}) holds no token count") from None
     if isinstance(entry, Finish):
         entry = entry.tokens or entry
