@@ -284,21 +284,24 @@ def test_redis_restarted_mid_load_every_request_ends_with_its_text_or_an_error(
     keys = Keys(stack.prefix)
     bodies = [{**_body(i), "max_tokens": 120} for i in range(16)]  # 8 running, 8 queued
     try:
-        async def run(restart: bool) -> list[tuple[str, str]]:
+        async def run(restart_after_s: float | None = None) -> list[tuple[str, str]]:
             nonlocal server
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
                 streams = [asyncio.create_task(_stream_text(client, b)) for b in bodies]
-                if restart:
-                    await asyncio.sleep(1.0)
+                if restart_after_s is not None:
+                    await asyncio.sleep(restart_after_s)
                     server.stop()  # a restart: back at once, empty
                     server = EmbeddedRedis(port=server.port)
                     await asyncio.to_thread(server.start)
                 async with asyncio.timeout(90):  # none hangs
                     return await asyncio.gather(*streams)
 
-        undisturbed = asyncio.run(run(False))
+        started = time.monotonic()
+        undisturbed = asyncio.run(run())
+        # Restart a third of the way through the load, however fast this machine runs it (a
+        # fixed second came after the end on a fast one).
         t0 = time.monotonic()
-        results = asyncio.run(run(True))
+        results = asyncio.run(run(restart_after_s=(t0 - started) / 3))
         print(sorted(Counter(f for _, f in results).items()))  # shown with -s
         # Every request ends: with its full text, or with a clear error event.
         for (text, finish), (whole, _) in zip(results, undisturbed, strict=True):
@@ -308,7 +311,7 @@ def test_redis_restarted_mid_load_every_request_ends_with_its_text_or_an_error(
         assert time.monotonic() - t0 < 90
         # The same processes serve again, and leave nothing behind.
         assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 200, 30)
-        again = asyncio.run(run(False))
+        again = asyncio.run(run())
         assert again == undisturbed
         r = redis.Redis.from_url(url)
         stream = keys.requests(MODEL)
