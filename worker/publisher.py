@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import orjson
 import redis.asyncio as aioredis
@@ -81,7 +82,7 @@ class Ending:
     expires: float  # unix time past which its keys are gone anyway: stop retrying
     clock: Clock | None = None  # its times, observed once it is written
 
-    @property
+    @cached_property  # read by the stream's XADD and by its feed entry: encoded once
     def fields(self) -> dict[str, str]:
         return self.entry.to_fields()
 
