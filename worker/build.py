@@ -1,4 +1,5 @@
-"""From settings to an engine: device, dtype, threads, model, KV pool, scheduler limits."""
+"""From settings to an engine: device, dtype, kernels, threads, model, KV pool, scheduler
+limits."""
 
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
     if device.type == "cpu":
         log.info("CPU threads: %d in prefill steps, %d in decode steps", threads.large,
                  threads.small)
-    runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True)
+    runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,
+                         kernels=settings.kernels, batch_invariant=settings.batch_invariant,
+                         page_size=settings.page_size)
+    log.info("kernels: %s (%s)%s", runner.kernels.name, runner.kernels.note,
+             "; batch-invariant" if runner.kernels.batch_invariant else "")
     budget = budget_bytes(settings.kv_cache_memory, device)
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
     step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)

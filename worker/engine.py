@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 
 from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
+from worker.chunk import Chunk
 from worker.constraint import ConstraintError, Constraints, suppress
 from worker.kv_cache import KVPool, KVShape
-from worker.model_runner import Chunk
 from worker.pages import PageManager
 from worker.sampler import Row, SamplingError, make_generator, sample
 from worker.scheduler import Admitted, Scheduler, SchedulerConfig, SchedulerOutput

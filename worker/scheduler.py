@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.messages import GenerateRequest
-from worker.model_runner import Chunk
+from worker.chunk import Chunk
 from worker.pages import PageManager
 from worker.sequence import Sequence
 

