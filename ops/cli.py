@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
                               "api_keys_file", "no_auth", "access_log", "log_request_text"))
     elif args.command == "worker":
         run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
-                                 "threads", "decode_threads", "max_running", "kv_cache_memory",
-                                 "page_size", "max_prefill_tokens", "worker_name",
-                                 "metrics_port"))
+                                 "quantization", "threads", "decode_threads", "max_running",
+                                 "kv_cache_memory", "page_size", "max_prefill_tokens",
+                                 "worker_name", "metrics_port"))
     elif args.command == "inspect":
         from ops.inspector.cli import run as run_inspect
 
@@ -147,11 +147,12 @@ def run_worker(settings: Settings) -> None:
         log.error("%s", e)
         sys.exit(2)
     from worker.checkpoint import UnsupportedCheckpoint
+    from worker.linear import QuantizationUnavailable
     from worker.service import serve
 
     try:
         asyncio.run(serve(settings, info))
-    except UnsupportedCheckpoint as e:
+    except (UnsupportedCheckpoint, QuantizationUnavailable) as e:
         log.error("cannot serve %s: %s", info.path, e)
         sys.exit(2)
 

@@ -76,6 +76,9 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                    help="compute and KV-cache type: auto (bf16 on CUDA and on CPUs with native "
                    "bf16, else fp32), bfloat16, float16, float32 [env REDSERVE_DTYPE]")
+    p.add_argument("--quantization", choices=("none", "int8"),
+                   help="weights of the decoder layers: none (default) or int8 (CPU at "
+                   "bfloat16 only; faster alone, slower batched) [env REDSERVE_QUANTIZATION]")
     p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
                    "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
     p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "

@@ -115,7 +115,8 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
         args.threads = max(1, cores // processes)
     if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
         args.decode_threads = max(1, (cores - 1) // processes)
-    flags = (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+    flags = (("device", "--device"), ("dtype", "--dtype"),
+             ("quantization", "--quantization"), ("threads", "--threads"),
              ("decode_threads", "--decode-threads"),
              ("max_running", "--max-running"),
              ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),

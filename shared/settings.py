@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
     # or AMX), fp32 elsewhere (see worker/dtype.py).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
+    # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
+    # slower (see worker/linear.py); refused at start on any other device or dtype.
+    quantization: Literal["none", "int8"] = "none"
     # CPU threads of the worker's compute (see worker/threads.py): `threads` for big (prefill)
     # steps, `decode_threads` for the others; 0: every core the worker may use. `redserve up`
     # divides the cores among its workers and leaves one to the API and Redis in decode steps.

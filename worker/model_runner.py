@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from worker.checkpoint import check_config
 from worker.kv_cache import KVPool, KVShape
-from worker.linear import Linear
+from worker.linear import Linear, Quantization
 
 # Decode requests per attention call, at most. Sorting by length and splitting the batch into
 # groups cut the padded work by about a third on a batch of 64 mixed-length requests.
@@ -89,7 +89,8 @@ class _Decode:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, release_modules: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, *, release_modules: bool = False,
+                 quantization: Quantization = "none") -> None:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
         (the model is unusable afterwards)."""
         config = model.config
@@ -115,7 +116,7 @@ class ModelRunner:
             self.embed = _own(inner.embed_tokens.weight)  # its own copy even when tied
             self.layers = []
             for i, layer in enumerate(inner.layers):
-                self.layers.append(_fuse(layer))
+                self.layers.append(_fuse(layer, quantization))
                 if release_modules:  # free the unfused weights now: a lower peak at start
                     inner.layers[i] = torch.nn.Identity()
             self.cos, self.sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
@@ -314,7 +315,7 @@ class ModelRunner:
         return torch.index_select(pool, 0, pages, out=out)
 
 
-def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely by HF)
+def _fuse(layer: Any, quantization: Quantization) -> _Layer:  # layer: typed loosely by HF
     attn, mlp = layer.self_attn, layer.mlp
     biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     q_norm = getattr(attn, "q_norm", None)
@@ -322,13 +323,15 @@ def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely 
     return _Layer(
         input_norm=_own(layer.input_layernorm.weight),
         qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                   torch.cat(biases) if biases[0] is not None else None),
+                   torch.cat(biases) if biases[0] is not None else None,
+                   quantization=quantization),
         q_norm=_own(q_norm.weight) if q_norm is not None else None,
         k_norm=_own(k_norm.weight) if k_norm is not None else None,
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, quantization=quantization),
         post_norm=_own(layer.post_attention_layernorm.weight),
-        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        down=Linear(mlp.down_proj.weight),
+        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                       quantization=quantization),
+        down=Linear(mlp.down_proj.weight, quantization=quantization),
     )
 
 
