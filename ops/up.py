@@ -116,7 +116,7 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
         args.decode_threads = max(1, (cores - 1) // processes)
     flags = (("device", "--device"), ("dtype", "--dtype"), ("kernels", "--kernels"),
-             ("threads", "--threads"),
+             ("quantization", "--quantization"), ("threads", "--threads"),
              ("decode_threads", "--decode-threads"),
              ("max_running", "--max-running"),
              ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),

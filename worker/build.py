@@ -17,6 +17,7 @@ from worker.dev_hooks import DevHooks
 from worker.dtype import dtype_name, pick_dtype
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool, budget_bytes
+from worker.linear import check_quantization
 from worker.model_runner import ModelRunner
 from worker.synthetic import SyntheticRunner
 from worker.threads import ThreadPolicy, usable_cpus
@@ -42,11 +43,18 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
     if device.type == "cpu":
         log.info("CPU threads: %d in prefill steps, %d in decode steps", threads.large,
                  threads.small)
+    check_quantization(settings.quantization, dtype, device)  # before the slow load
     runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,
                          kernels=settings.kernels, batch_invariant=settings.batch_invariant,
-                         page_size=settings.page_size)
+                         page_size=settings.page_size, quantization=settings.quantization)
     log.info("kernels: %s (%s)%s", runner.kernels.name, runner.kernels.note,
              "; batch-invariant" if runner.kernels.batch_invariant else "")
+    if settings.quantization == "int8":
+        linears = runner.linears()
+        log.info("int8 weights (--quantization int8): %d of %d linear layers (the vocabulary "
+                 "projection stays %s); %.0f MiB of weights",
+                 sum(lin.mode == "int8" for lin in linears), len(linears), dtype_name(dtype),
+                 runner.weight_bytes() / 2**20)
     budget = budget_bytes(settings.kv_cache_memory, device)
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
     step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)

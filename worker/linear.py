@@ -10,16 +10,67 @@ cannot run the dtype (bf16 on a CPU without AVX512, fp16 on most CPUs) or on CUD
 what the checkpoint's own module computes, F.linear over the [out, in] weight: any other GEMM
 layout rounds bf16 differently (seen on an AVX2 EPYC), and a request alone must decode exactly
 what transformers does.
+
+`--quantization int8` stores a weight as int8 with one symmetric scale per output channel (max
+|w| / 127, rounded to the compute dtype before the weight is divided by it, so that the kernel
+multiplies by exactly the scale the weight was rounded against), and multiplies with torch's
+`_weight_int8pack_mm`, which widens the weight to the activation dtype as it reads it. Timed
+over the default model's own weights, each layer its own so that they stream from memory as in a
+forward pass (bf16, 2 threads, the EPYC above): the 120 decoder-layer linears took 7.3 ms at
+batch 1 against 12.0 ms prepacked (half the bytes to read), 10.3 against 12.0 at batch 2, even
+at 4, and lost beyond: 21.0 against 12.7 ms at 8, 59.8 against 27.3 at 32, and 886 against 420
+ms over 512 prompt tokens: past a few rows the kernel's time grows about in step with them,
+while oneDNN's blocked GEMM reuses each block of the weight across rows. So int8 is for a worker
+decoding one or two requests at a time, and is never on unless asked for. The vocabulary
+projection (49152 x 576) gained nothing at batch 1 (2.2 against 2.3 ms) and lost from batch 2
+(3.3 against 2.1 ms at 4), so it stays in the compute dtype, which keeps weight rounding out of
+the final logits too. End to end (`python -m ops.benchmarks.quantization --threads 1`), int8
+decoded at 1.21x bf16's tokens/s at batch 1 and 0.77x at 32, and prefilled at 0.42x; with the
+vocabulary projection quantized too, at 1.13x and 0.68x, drifting further from bf16. With fp32
+activations the kernel ran 2 to 4x slower than prepacked fp32 even at batch 1, so int8 is
+refused unless the worker computes in bf16 on CPU. The kernel reads the input dimension 16 at a
+time (other widths gave NaN or crashed), so a layer whose input is not a multiple of 16 stays
+unquantized.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+from worker.dtype import dtype_name
+
+Quantization = Literal["none", "int8"]
 
 # A batch-size hint for the reorder; measured batch 1 to 128 ran as fast with this as with
 # their own hint.
 PACK_FOR_BATCH = 32
+# `_weight_int8pack_mm` reads the input dimension in blocks of this many.
+INT8_BLOCK = 16
+
+
+class QuantizationUnavailable(ValueError):
+    """The quantization asked for has no fast kernel for this dtype and device."""
+
+
+def check_quantization(quantization: Quantization, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    if quantization == "int8" and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise QuantizationUnavailable(
+            f"--quantization int8 runs on CPU with bfloat16 activations, not {dtype_name(dtype)} "
+            f"on {device.type}: its kernel is slower than the unquantized layer there")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] weight and per-output-channel scales in the weight's dtype, with
+    weight ~= q * scales[:, None]."""
+    w = weight.float()
+    # A row of zeros keeps a positive scale, and quantizes to zeros.
+    scales = (w.abs().amax(dim=1) / 127).to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -33,13 +84,20 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """y = x W^T + b for a checkpoint's [out, in] weight; x is [tokens, in]."""
+    """y = x W^T + b for a checkpoint's [out, in] weight; x is [tokens, in], contiguous."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 quantization: Quantization = "none") -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().clone() if bias is not None else None
         self.mode = "packed" if can_prepack(weight.dtype, weight.device) else "plain"
+        self.scales: torch.Tensor | None = None
         w = weight.detach()
+        if quantization == "int8" and self.in_features % INT8_BLOCK == 0:
+            check_quantization(quantization, weight.dtype, weight.device)
+            self.mode = "int8"
+            self.weight, self.scales = quantize_int8(w)
+            return
         if self.mode == "packed":
             try:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_BATCH)
@@ -49,9 +107,12 @@ class Linear:
         self.weight = w.contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+            return y if self.bias is None else y + self.bias
         if self.mode == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+        return [t for t in (self.weight, self.scales, self.bias) if t is not None]

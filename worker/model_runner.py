@@ -31,10 +31,10 @@ from worker.attention.gather import GatherAttention
 from worker.attention.paged import PagedAttention
 from worker.checkpoint import check_config
 from worker.chunk import Chunk
-from worker.kernels import pick_kernels
+from worker.kernels import KernelsUnavailable, pick_kernels
 from worker.kv_cache import KVPool, KVShape
 from worker.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
-from worker.linear import Linear
+from worker.linear import Linear, Quantization
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class _Layer:
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, release_modules: bool = False,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 page_size: int = 16) -> None:
+                 page_size: int = 16, quantization: Quantization = "none") -> None:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
         (the model is unusable afterwards). `kernels` and `batch_invariant` are chosen by
         `worker/kernels.py` for pools of `page_size`-token pages."""
@@ -66,6 +66,9 @@ class ModelRunner:
         self.scaling: float = attn.scaling
         self.eps: float = config.rms_norm_eps
         param = next(model.parameters())
+        if batch_invariant and quantization != "none":
+            raise KernelsUnavailable("--batch-invariant is not offered with --quantization: "
+                                     "only the unquantized linears' rounding was measured")
         self.kernels = pick_kernels(kernels, device=param.device, dtype=param.dtype,
                                     head_dim=self.head_dim, page_size=page_size,
                                     batch_invariant=batch_invariant)
@@ -83,7 +86,7 @@ class ModelRunner:
             self.embed = _own(inner.embed_tokens.weight)  # its own copy even when tied
             self.layers = []
             for i, layer in enumerate(inner.layers):
-                self.layers.append(_fuse(layer))
+                self.layers.append(_fuse(layer, quantization))
                 if release_modules:  # free the unfused weights now: a lower peak at start
                     inner.layers[i] = torch.nn.Identity()
             cos, sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
@@ -180,7 +183,7 @@ class ModelRunner:
         return linear(x)
 
 
-def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely by HF)
+def _fuse(layer: Any, quantization: Quantization) -> _Layer:  # layer: typed loosely by HF
     attn, mlp = layer.self_attn, layer.mlp
     biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     q_norm = getattr(attn, "q_norm", None)
@@ -188,13 +191,15 @@ def _fuse(layer: Any) -> _Layer:  # a checkpoint's decoder layer (typed loosely 
     return _Layer(
         input_norm=_own(layer.input_layernorm.weight),
         qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                   torch.cat(biases) if biases[0] is not None else None),
+                   torch.cat(biases) if biases[0] is not None else None,
+                   quantization=quantization),
         q_norm=_own(q_norm.weight) if q_norm is not None else None,
         k_norm=_own(k_norm.weight) if k_norm is not None else None,
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, quantization=quantization),
         post_norm=_own(layer.post_attention_layernorm.weight),
-        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        down=Linear(mlp.down_proj.weight),
+        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                       quantization=quantization),
+        down=Linear(mlp.down_proj.weight, quantization=quantization),
     )
 
 

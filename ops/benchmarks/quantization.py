@@ -1,0 +1,232 @@
+"""What int8 weights (`--quantization int8`) cost the default model in output, and buy in speed.
+
+    python -m ops.benchmarks.quantization [--tokens 48] [--batches 1 32] [--context 256]
+        [--steps 20] [--threads N]
+
+On SmolLM2-135M, CPU, bf16 activations, each configuration built as the worker builds it
+(`ModelRunner`, every linear laid out once):
+- drift: bf16 decodes a fixed set of chat prompts greedily, `--tokens` tokens each, all in one
+  batch; every other configuration is then teacher-forced on that continuation in the same
+  batch, as tests/test_dtype.py does, and each token's logprob is compared with bf16's. bf16's
+  own gap to fp32 is printed beside it for scale: the rounding the default dtype already
+  spends. Top-1 is how often a configuration's argmax is bf16's token; then each decodes
+  greedily on its own, and "shared" is how many tokens it emits before it parts from bf16;
+- speed: decode steps of B requests over prompts of `--context` random tokens (greedy, EOS
+  ignored), median step of `--steps`, as tokens/s; and the prefill of those prompts. The
+  configurations' engines take turns step by step, so a shared machine's changing load falls
+  on all of them alike.
+"int8 + lm_head" also quantizes the vocabulary projection, which the worker does not: it is
+here as the measurement behind that choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.table import Table
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ops.benchmarks.machine import describe
+from ops.console import make_console
+from shared.messages import GenerateRequest, SamplingParams
+from shared.models import resolve_model
+from shared.settings import DEFAULT_MODEL, Settings
+from worker.engine import Engine, EngineConfig
+from worker.kv_cache import KVPool
+from worker.linear import Linear
+from worker.model_runner import Chunk, ModelRunner
+from worker.threads import ThreadPolicy, usable_cpus
+
+QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
+             "Explain photosynthesis in one paragraph.", "What is the capital of France?",
+             "Give me a recipe for pancakes.", "Why is the sky blue?",
+             "Write a Python function that reverses a string.", "Summarise the plot of Hamlet.",
+             "List four prime numbers and explain why they are prime.",
+             "How does a hash table work?", "Translate 'good morning' into Spanish and German."]
+PAGE = 16
+SPEED_CONFIGS = ("bf16", "int8", "int8 + lm_head")
+
+
+@dataclass(frozen=True)
+class Run:
+    fed: list[list[int]]  # per prompt, the continuation fed back
+    logprobs: list[list[float]]  # the logprob of each fed token
+    top: list[list[int]]  # the argmax at each position
+
+
+def _runner(path: Path, config: str) -> ModelRunner:
+    dtype = torch.float32 if config == "fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    runner = ModelRunner(model, release_modules=True,
+                         quantization="int8" if config.startswith("int8") else "none")
+    if config == "int8 + lm_head":
+        runner.lm_head = Linear(model.lm_head.weight, quantization="int8")
+    return runner
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]], tokens: int,
+            forced: list[list[int]] | None = None) -> Run:
+    """Every prompt in one batch, greedy or teacher-forced on `forced`."""
+    per = -(-(max(map(len, prompts)) + tokens) // PAGE)
+    runner.attach(KVPool(runner.kv_shape, per * len(prompts), PAGE))
+    pages = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+    run = Run([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts])
+    chunks = [Chunk(p, 0, pages[i], sample=True) for i, p in enumerate(prompts)]
+    for t in range(tokens):
+        logprobs = torch.log_softmax(runner.forward(chunks), -1)
+        best = logprobs.argmax(-1).tolist()
+        for i in range(len(prompts)):
+            token = forced[i][t] if forced is not None else best[i]
+            run.fed[i].append(token)
+            run.logprobs[i].append(float(logprobs[i, token]))
+            run.top[i].append(best[i])
+        chunks = [Chunk([run.fed[i][t]], len(p) + t, pages[i], sample=True)
+                  for i, p in enumerate(prompts)]
+    return run
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """Tokens two continuations share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def _drift_row(name: str, ours: Run, ref: Run, greedy: Run | None,
+               base: Run) -> list[str]:
+    gaps = torch.tensor([abs(x - y) for a, b in zip(ours.logprobs, ref.logprobs, strict=True)
+                         for x, y in zip(a, b, strict=True)])
+    cells = [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
+             f"{float(gaps.max()):.3f}"]
+    if greedy is None:
+        return [*cells, "", "", ""]
+    top1 = [x == y for a, b in zip(ours.top, base.fed, strict=True)
+            for x, y in zip(a, b, strict=True)]
+    shared = [_shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
+    return [*cells, f"{sum(top1) / len(top1):.1%}", f"{statistics.mean(shared):.1f}",
+            f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
+
+
+def drift_table(path: Path, tokens: int) -> Table:
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                  add_generation_prompt=True, return_dict=False))
+               for q in QUESTIONS]
+    bf16 = _decode(_runner(path, "bf16"), prompts, tokens)
+    forced: dict[str, Run] = {}
+    greedy: dict[str, Run] = {}
+    for config in ("fp32", "int8", "int8 + lm_head"):
+        runner = _runner(path, config)
+        forced[config] = _decode(runner, prompts, tokens, bf16.fed)
+        greedy[config] = _decode(runner, prompts, tokens)
+        del runner
+    table = Table(title=f"logprob drift per token, teacher-forced on bf16's greedy output "
+                        f"({len(prompts)} prompts x {tokens} tokens)")
+    for col in ("configuration", "mean |d|", "p99 |d|", "max |d|", "top-1 = bf16",
+                "shared greedy tokens", "identical"):
+        table.add_column(col)
+    table.add_row(*_drift_row("bf16 vs fp32 (scale)", bf16, forced["fp32"], greedy["fp32"],
+                              bf16))
+    table.add_row(*_drift_row("int8 vs bf16", forced["int8"], bf16, greedy["int8"], bf16))
+    table.add_row(*_drift_row("int8 vs fp32", forced["int8"], forced["fp32"], None, bf16))
+    table.add_row(*_drift_row("int8 + lm_head vs bf16", forced["int8 + lm_head"], bf16,
+                              greedy["int8 + lm_head"], bf16))
+    return table
+
+
+def _engine(path: Path, config: str, batch: int, context: int, steps: int,
+            threads: int) -> tuple[Engine, float]:
+    """An engine holding `batch` requests of `context` random prompt tokens, not yet run, and
+    its model's MiB of weights."""
+    runner = _runner(path, config)
+    length = context + steps + PAGE  # the warm-up steps and the timed ones, and a spare page
+    engine = Engine(runner, KVPool(runner.kv_shape, batch * -(-length // PAGE), PAGE),
+                    EngineConfig(max_running=batch, max_step_tokens=512, max_model_len=length,
+                                 page_size=PAGE, prefix_caching=False,
+                                 threads=ThreadPolicy(threads, threads)),
+                    eos_token_ids=())
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
+        engine.add(GenerateRequest(id=f"q-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
+                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+    return engine, runner.weight_bytes() / 2**20
+
+
+def _prefilling(engine: Engine) -> bool:
+    return bool(engine.waiting) or any(s.num_computed < len(s.tokens) - 1
+                                       for s in engine.running.values())
+
+
+def _timed_step(engine: Engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def _speeds(engines: list[Engine], batch: int, context: int, steps: int
+            ) -> list[tuple[float, float]]:
+    """Decode and prefill tokens/s of each engine. Their steps take turns, so that a change
+    in the machine's load falls on every configuration alike."""
+    prefill = [0.0] * len(engines)
+    while any(_prefilling(e) for e in engines):
+        for i, engine in enumerate(engines):
+            if _prefilling(engine):
+                prefill[i] += _timed_step(engine)
+    for _ in range(3):  # oneDNN builds its kernels for a new batch shape on first use
+        for engine in engines:
+            engine.step()
+    decode: list[list[float]] = [[] for _ in engines]
+    for _ in range(steps):
+        for i, engine in enumerate(engines):
+            decode[i].append(_timed_step(engine))
+    return [(batch / statistics.median(d), batch * context / p)
+            for d, p in zip(decode, prefill, strict=True)]
+
+
+def speed_table(path: Path, batches: list[int], context: int, steps: int,
+                threads: int) -> Table:
+    table = Table(title=f"decode and prefill speed, prompts of {context} tokens "
+                        f"({threads} threads)")
+    for col in ("configuration", "batch", "decode tokens/s", "vs bf16", "prefill tokens/s",
+                "vs bf16", "weights MiB"):
+        table.add_column(col)
+    for batch in batches:
+        built = [_engine(path, c, batch, context, steps, threads) for c in SPEED_CONFIGS]
+        speeds = _speeds([engine for engine, _ in built], batch, context, steps)
+        decode0, prefill0 = speeds[0]
+        for config, (_, mib), (decode, prefill) in zip(SPEED_CONFIGS, built, speeds,
+                                                       strict=True):
+            table.add_row(config, str(batch), f"{decode:.1f}", f"{decode / decode0:.2f}x",
+                          f"{prefill:.0f}", f"{prefill / prefill0:.2f}x", f"{mib:.0f}")
+        del built
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=48, help="tokens decoded per prompt (drift)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per request (speed)")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed (speed)")
+    ap.add_argument("--threads", type=int, default=usable_cpus(), help="CPU threads (speed)")
+    args = ap.parse_args()
+    console = make_console()
+    console.print(describe())
+    path = resolve_model(DEFAULT_MODEL, Settings().cache_dir).path
+    with console.status("drift"):
+        drift = drift_table(path, args.tokens)
+    console.print(drift)
+    with console.status("speed"):
+        speed = speed_table(path, args.batches, args.context, args.steps,
+                            args.threads)
+    console.print(speed)
+
+
+if __name__ == "__main__":
+    main()
