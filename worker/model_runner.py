@@ -31,7 +31,7 @@ from worker.attention.gather import GatherAttention
 from worker.attention.paged import PagedAttention
 from worker.checkpoint import check_config
 from worker.chunk import Chunk
-from worker.kernels import KernelsUnavailable, pick_kernels
+from worker.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
 from worker.kv_cache import KVPool, KVShape
 from worker.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
 from worker.linear import Linear, Quantization
@@ -176,10 +176,8 @@ class ModelRunner:
         return self._linear(layer.o, self.attention(i, q, k, v).view(t, nh * hd))
 
     def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels.batch_invariant and x.shape[0] == 1:
-            # oneDNN multiplies one row with another kernel than two or more, which rounds
-            # otherwise: as two rows, a token's result is what it would be in any batch.
-            return linear(x.expand(2, -1).contiguous())[:1]
+        if self.kernels.batch_invariant:
+            return batch_invariant_rows(linear, x)
         return linear(x)
 
 
