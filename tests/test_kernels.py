@@ -37,6 +37,7 @@ def _pick(setting: str = "auto", **kw: object) -> object:
 def test_torch_kernels_are_taken_where_the_native_ones_cannot_run() -> None:
     assert _pick("torch").native is False  # type: ignore[attr-defined]
     for kw, why in [(dict(device=torch.device("cuda")), "CPU kernels"),
+                    (dict(dtype=torch.float16), "not torch.float16"),
                     (dict(head_dim=48), "head size 48"),
                     (dict(page_size=8), "multiple of 16 tokens")]:
         if isinstance(NATIVE, str):

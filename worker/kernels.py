@@ -74,8 +74,10 @@ def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
     library = load_native_library()
     if isinstance(library, str):
         return library
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"they are used for fp32 and bf16, not {dtype}"
     if not library.supports(dtype):
-        return (f"{library.library.name} rounds {dtype} by truncation on this CPU "
+        return (f"{library.library.name} rounds bf16 by truncation on this CPU "
                 "(no AVX512-BF16)")
     if head_dim not in HEAD_DIMS:
         return f"their attention has no build for head size {head_dim}"

