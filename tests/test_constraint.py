@@ -50,7 +50,7 @@ def decode(tiny_model: Path):  # type: ignore[no-untyped-def]
 
 
 def _engine(model: PreTrainedModel, constraints: Constraints | None, pages: int = 256) -> Engine:
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, page_size=4)
     config = EngineConfig(max_running=8, max_step_tokens=64, max_model_len=512, page_size=4)
     return Engine(runner, KVPool(runner.kv_shape, pages, 4), config, eos_token_ids=(2,),
                   constraints=constraints)

@@ -227,7 +227,7 @@ def test_history_with_arguments_nested_too_deep_is_served(client: openai.OpenAI)
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": DEEP}}
     reply = client.chat.completions.create(
-        model=MODEL, tools=TOOLS, max_tokens=1, messages=[
+        model=MODEL, tools=TOOLS, max_tokens=1, extra_body={"ignore_eos": True}, messages=[
             *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_1", "content": RESULT}])
     assert reply.choices[0].finish_reason == "length"

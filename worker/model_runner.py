@@ -66,6 +66,7 @@ class ModelRunner:
         self.scaling: float = attn.scaling
         self.eps: float = config.rms_norm_eps
         param = next(model.parameters())
+        self.page_size = page_size
         if batch_invariant and quantization != "none":
             raise KernelsUnavailable("--batch-invariant is not offered with --quantization: "
                                      "only the unquantized linears' rounding was measured")
@@ -115,8 +116,9 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def attach(self, pool: KVPool) -> None:
-        if pool.shape != self.kv_shape:
-            raise ValueError(f"a pool of {pool.shape} for a model of {self.kv_shape}")
+        if pool.shape != self.kv_shape or pool.page_size != self.page_size:
+            raise ValueError(f"a pool of {pool.shape} in pages of {pool.page_size} tokens for "
+                             f"a runner of {self.kv_shape} built for pages of {self.page_size}")
         self.pool = pool
         if self.kernels.native:
             self.attention = PagedAttention(pool, self.num_heads, self.scaling,
