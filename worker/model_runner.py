@@ -124,7 +124,7 @@ class ModelRunner:
             self.attention = PagedAttention(pool, self.num_heads, self.scaling,
                                             split_kv=not self.kernels.batch_invariant)
         else:
-            self.attention = GatherAttention(pool, self.num_heads, self.scaling)
+            self.attention = GatherAttention(pool, self.scaling)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:

@@ -37,10 +37,11 @@ from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
+from worker.chunk import Chunk
 from worker.engine import Engine, EngineConfig
 from worker.kv_cache import KVPool
 from worker.linear import Linear
-from worker.model_runner import Chunk, ModelRunner
+from worker.model_runner import ModelRunner
 from worker.threads import ThreadPolicy, usable_cpus
 
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",

