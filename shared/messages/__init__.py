@@ -1,0 +1,48 @@
+"""What travels through Redis.
+
+Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`.
+
+Result stream entries (one stream per request, read by the API replica that owns the request):
+    kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>
+                 [logprobs=<JSON: per token [logprob, [[id, logprob], ...top alternatives]]>]
+                 [queued_ms=<created -> admitted by the worker; on a request's first token>]
+    kind=finish  finish_reason=stop|length|abort  prompt_tokens=N  completion_tokens=N
+                 cached_tokens=N  [index=.. ids=.. logprobs=..: the request's last tokens]
+    kind=error   type=<error type>  code=<code>  message=<text>
+Feed entry (one per worker step per replica, see `shared.keys`): `d=<JSON {<request id>: that
+request's result entry fields}>` for each of the replica's requests the step produced.
+Exactly one `finish` or `error` entry ends every result stream. A finish entry may carry the
+tokens of the step that ended the request (one XADD instead of two: Redis commands per token
+are the budget), read as a tokens entry followed by the finish (`expand`). Flat string fields
+keep the streams readable with plain `redis-cli XRANGE`.
+
+Request hash (`RequestField` names its fields, `RequestHash` writes and reads them): written in
+parts, by the replica that accepts the request and by the worker that runs it; read by any
+replica (cancel, resume) and by `redserve inspect`.
+Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
+"""
+
+from __future__ import annotations
+
+from shared.messages.heartbeat import Heartbeat
+from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
+from shared.messages.results import (
+    Error,
+    Finish,
+    ResultEntry,
+    TokenLogprob,
+    Tokens,
+    decode_feed,
+    decode_result,
+    expand,
+    feed_fields,
+    is_terminal,
+    queue_timeout,
+)
+from shared.messages.state import RequestField, RequestHash, RequestState
+
+__all__ = [
+    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "RequestField",
+    "RequestHash", "RequestState", "ResultEntry", "SamplingParams", "TokenLogprob", "Tokens",
+    "decode_feed", "decode_result", "expand", "feed_fields", "is_terminal", "queue_timeout",
+]

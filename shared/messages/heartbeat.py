@@ -1,0 +1,70 @@
+"""A worker's heartbeat body: what `/health`, `redserve inspect` and the API replicas'
+views of the live workers read of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from shared.messages.state import as_text
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A worker's status key (`shared.keys`: `{prefix}:worker:<name>`), JSON, rewritten with a
+    TTL on every beat (`worker.presence`): what `/health` and `redserve inspect` show of it.
+    A field an older worker did not write reads as its default."""
+
+    model: str = ""
+    capacity: int = 0  # requests it may hold (--max-running)
+    running: int = 0  # in the running batch
+    waiting: int = 0  # taken, waiting for room in the batch
+    kv_pages_used: int | None = None  # referenced by requests (None: total - free)
+    kv_pages_free: int = 0  # empty, or held only by the prefix cache
+    kv_pages_cached: int = 0  # held only by the prefix cache
+    kv_pages_total: int = 0
+    generated_tokens: int = 0  # since the worker started
+    tokens_per_s: float | None = None  # over the interval since the previous beat
+    at: float | None = None  # unix time of the beat: its age needs no knowledge of the TTL
+    device: str = ""
+    dtype: str = ""
+    outbox: int = 0  # terminal entries waiting for Redis to come back
+    draining: bool = False
+
+    @property
+    def pages_used(self) -> int:
+        return (self.kv_pages_total - self.kv_pages_free if self.kv_pages_used is None
+                else self.kv_pages_used)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Heartbeat:
+        """ValueError saying what is wrong with a body that is not a heartbeat."""
+        try:
+            beat = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise ValueError(f"heartbeat is not JSON: {as_text(raw[:60])!r}") from None
+        if not isinstance(beat, dict):
+            raise ValueError(f"heartbeat is not a JSON object: {as_text(raw[:60])!r}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in beat or (beat[f.name] is None and f.default is None):
+                continue
+            value, kind = beat[f.name], _HEARTBEAT_TYPES[f.name]
+            if kind in (int, float, int | None, float | None):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"heartbeat field {f.name!r} is not a number: {value!r}")
+                value = int(value) if kind in (int, int | None) else value
+            else:
+                value = bool(value) if kind is bool else str(value)
+            values[f.name] = value
+        return cls(**values)
+
+
+_HEARTBEAT_TYPES = typing.get_type_hints(Heartbeat)
