@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     api_keys: str = ""
     api_keys_file: Path | None = None
     no_auth: bool = False
+    # Per-tenant rate limits and fair-share weights (see shared/tenants.py): the default of
+    # every tenant the tenants file does not name (0: no limit).
+    requests_per_minute: int = Field(default=0, ge=0)
+    tokens_per_minute: int = Field(default=0, ge=0)
+    tenants_file: Path | None = None
     # Largest request body accepted (413 beyond it), checked before it is parsed, and how long
     # a client may take to send it (408 after that).
     max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)

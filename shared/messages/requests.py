@@ -45,6 +45,12 @@ class GenerateRequest(BaseModel):
     # Lark grammar or tool calls, compiled by the replica into llguidance's grammar format.
     grammar: str | None = None
     trace_id: str = ""
+    # Scheduling (see api/admission.py and worker/intake.py): vLLM's `priority` (lower runs
+    # first), the tenant's fair-share weight (shared/tenants.py), and the worker placement
+    # chose because it holds the prompt's prefix ("" = any worker).
+    priority: int = 0
+    weight: float = Field(default=1.0, gt=0)
+    worker: str = ""
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "body": self.model_dump_json()}
