@@ -42,10 +42,13 @@ requests_per_minute = 4
 [tenants.refill]
 requests_per_minute = 60
 
+[tenants.many]
+tokens_per_minute = 100000
+
 [tenants.free]
 requests_per_minute = 0
 """
-NAMES = ("few", "tok", "hdr", "settle", "shared", "refill", "free", "dflt")
+NAMES = ("few", "tok", "hdr", "many", "settle", "shared", "refill", "free", "dflt")
 DURATION = re.compile(r"^(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)$")
 
 
@@ -123,6 +126,14 @@ def test_headers_on_every_reply_streamed_or_not(stack: Stack) -> None:
         assert int(streamed.headers["x-ratelimit-remaining-requests"]) <= 98
         assert streamed.headers["x-ratelimit-limit-tokens"] == "100000"
         assert "[DONE]" in "".join(streamed.iter_text())
+
+
+def test_n_choices_reserve_max_tokens_each_and_the_prompt_once(stack: Stack) -> None:
+    reply = complete(stack, "many", max_tokens=4, n=3)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 3
+    assert reply.headers["x-ratelimit-remaining-tokens"] == str(100000 - 3 - 3 * 4)
+    # The file sets only its tokens: its requests limit is the default's.
+    assert reply.headers["x-ratelimit-limit-requests"] == "1000"
 
 
 def test_tokens_limit_counts_prompt_and_max_tokens(stack: Stack) -> None:
