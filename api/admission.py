@@ -12,6 +12,11 @@ runs: scaled to zero) cannot expire under a request that just joined it.
 
 One tenant may hold at most `max_per_tenant` of the queue's places, so no single tenant can
 fill it and have every other tenant's requests refused.
+
+The tenant's rate limits run in the same script (`api.limits.bucket`): checked before the
+queue, charged only when the queue admits the request. The script's sections are kept apart:
+the limits' Lua, then the queue's (a function returning the queue's status), then the charge;
+the limits take the last KEY and the last ARGV.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from api.limits.bucket import CHARGE, CHECK, NO_LIMIT_ARGS, BucketReply, Charge
 from shared.keys import QUEUE_STALE_MARGIN_S, Keys
 from shared.messages import GenerateRequest
 
-_ADMIT = """
+_QUEUE = """
 local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local stale, count, mine, tokens = false, 0, 0, tonumber(ARGV[4])
 for i = 1, #members, 2 do
@@ -51,6 +57,18 @@ redis.call('EXPIRE', KEYS[2], ARGV[11])
 return 1
 """
 
+_ADMIT = (f"-- rate limits: check\n{CHECK}\n-- the queue\nlocal function enqueue()\n{_QUEUE}end\n"
+          f"local status = enqueue()\n-- rate limits: charge\n{CHARGE}")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The script's answer: why the queue refused the request (None: it is enqueued), and
+    the tenant's buckets (None: no rate limit applies)."""
+
+    refused: str | None
+    limits: BucketReply | None
+
 
 @dataclass(frozen=True)
 class QueueLimits:
@@ -68,25 +86,36 @@ class Admission:
         self.limits = limits
         self.request_ttl_s = request_ttl_s
 
-    async def try_enqueue(self, request: GenerateRequest) -> str | None:
-        """Reserve a queue place and enqueue the request; None if done, else why not."""
+    async def try_enqueue(self, request: GenerateRequest, charge: Charge | None = None
+                          ) -> Admitted:
+        """Check the tenant's limits (`charge`), reserve a queue place and enqueue the
+        request, and charge the limits if it is enqueued. Refused by a limit, `refused` is
+        None and `limits.refused` says which."""
         now = time.time()
         limits = self.limits
         oldest_ms = int((now - self.request_ttl_s) * 1000)
         fields = request.to_fields()
-        result = await self._script(
-            keys=[self.keys.queued(request.model), self.keys.requests(request.model)],
+        reply = await self._script(
+            keys=[self.keys.queued(request.model), self.keys.requests(request.model),
+                  self.keys.limits(request.model, request.tenant)],
             args=[now, now - limits.timeout_s - QUEUE_STALE_MARGIN_S, request.queue_member,
                   len(request.prompt_ids), limits.max_requests, limits.max_tokens,
                   int(limits.timeout_s) + 10, limits.max_per_tenant, request.tenant,
                   f"{max(oldest_ms, 0)}-0", self.request_ttl_s, fields["id"],
-                  fields["body"]],
+                  fields["body"], *(charge.args() if charge else NO_LIMIT_ARGS)],
         )
-        if result == 1:
-            return None
-        if result == 0:
+        bucket = BucketReply.parse(charge, reply) if charge and charge.limited else None
+        return Admitted(self._why(int(reply[0])), bucket)
+
+    def _why(self, status: int) -> str | None:
+        """The queue's refusal, from the script's status (None: admitted, or refused by a
+        limit, which the bucket's reply tells)."""
+        limits = self.limits
+        if status == 0:
             return f"the queue is full ({limits.max_requests} requests waiting)"
-        if result == -2:
+        if status == -2:
             return (f"this API key's tenant holds its whole share of the queue "
                     f"({limits.max_per_tenant} waiting requests)")
-        return f"the queue is full ({limits.max_tokens} prompt tokens waiting)"
+        if status == -1:
+            return f"the queue is full ({limits.max_tokens} prompt tokens waiting)"
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,7 @@ from api.admission import Admission, QueueLimits
 from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext, Live, ServedModel
+from api.limits.reservation import RateLimits
 from api.metrics import APIMetrics, CountResponses, QueueDepths
 from api.reader import ResultReader
 from api.text import TextCodec
@@ -22,6 +24,9 @@ from shared.messages import Error
 from shared.models import parse_specs, resolve_models
 from shared.redis_conn import connect
 from shared.settings import Settings
+from shared.tenants import TenantPolicies, tenant_policies
+
+log = logging.getLogger("redserve.api")
 
 SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
 
@@ -35,6 +40,7 @@ def create_app(settings: Settings) -> FastAPI:
         raise AuthConfigError(
             "no API keys: set REDSERVE_API_KEYS or REDSERVE_API_KEYS_FILE, or set "
             "REDSERVE_NO_AUTH=true to serve without authentication")
+    policies = load_policies(settings, api_keys)
     # Made here, not in the lifespan: the response counter wraps the app from the start.
     metrics = APIMetrics()
 
@@ -67,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
             settings.max_queued_per_tenant), settings.request_ttl_s)
         ctx = AppContext(settings, keys, models, clients, reader, admission, metrics, replica,
-                         live)
+                         policies, RateLimits(clients.commands, keys), live)
         metrics.watch(
             inflight=lambda: len(ctx.live.requests) + len(ctx.live.resumes),
             queues=lambda: len(reader.subscriptions),
@@ -102,6 +108,18 @@ def create_app(settings: Settings) -> FastAPI:
     # Added last, so outermost: it sees the guard's refusals too.
     app.add_middleware(CountResponses, metrics=metrics)
     return app
+
+
+def load_policies(settings: Settings, api_keys: APIKeys) -> TenantPolicies:
+    """Each tenant's rate limits and fair-share weight, loaded once, as the replica starts
+    (TenantsConfigError: it must not start). A tenant the file names that no API key has is
+    most likely a typo: said, not refused (its keys may come with the next rollout)."""
+    policies = tenant_policies(settings)
+    unknown = sorted(set(policies.tenants) - api_keys.tenants) if api_keys.enabled else []
+    if unknown:
+        log.warning("the tenants file names tenant(s) no API key belongs to: %s",
+                    ", ".join(unknown))
+    return policies
 
 
 async def drain(app: FastAPI, grace_s: float) -> None:

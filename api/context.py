@@ -12,6 +12,7 @@ from typing import Protocol
 
 from api.admission import Admission
 from api.errors import APIError
+from api.limits.reservation import RateLimits
 from api.metrics import APIMetrics
 from api.reader import ResultReader
 from api.text import TextCodec
@@ -20,6 +21,7 @@ from shared.messages import Error
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients
 from shared.settings import Settings
+from shared.tenants import TenantPolicies
 
 
 class LiveRequest(Protocol):
@@ -103,4 +105,6 @@ class AppContext:
     admission: Admission
     metrics: APIMetrics
     replica: str
+    policies: TenantPolicies  # each tenant's rate limits and weight (shared/tenants.py)
+    limits: RateLimits
     live: Live = field(default_factory=Live)

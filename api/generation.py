@@ -3,7 +3,10 @@
 `start` reserves a queue slot, registers the result subscription and enqueues the request;
 iterating yields result entries until a terminal one; `close` runs exactly once however the
 request ended (completion, client gone, error, timeout, slow client, shutdown). A request closed
-before the worker ended it gets its abort key set, so no compute is spent on it.
+before the worker ended it gets its abort key set, so no compute is spent on it. With its
+tenant's rate limits, the reply's first choice carries the reply's charge into the admission
+script, and every choice reports to the reply's `Reservation` how much of its `max_tokens` it
+used as it closes (or is refused), so that the reply is settled once, when it ends.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.errors import APIError
+from api.limits.replies import headers as limit_headers
+from api.limits.replies import rate_limited
+from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer, abort_cause
 from api.reader import Subscription
 from api.resume import StreamView
@@ -29,6 +35,7 @@ from shared.messages import (
     RequestHash,
     RequestState,
     ResultEntry,
+    Tokens,
     queue_timeout,
 )
 
@@ -36,7 +43,8 @@ log = logging.getLogger("redserve.api")
 
 class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
-                 view: StreamView | None = None, streaming: bool = False) -> None:
+                 view: StreamView | None = None, streaming: bool = False,
+                 reservation: Reservation | None = None, charges: bool = False) -> None:
         self.ctx = ctx
         self.request = request
         self.siblings = siblings  # other choices of the same reply: `<id>-1` .. `<id>-<n-1>`
@@ -50,6 +58,11 @@ class Generation:
         self._aborting: asyncio.Task[None] | None = None
         self._closed = False
         self._enqueued = False  # on the model's stream: a worker may hold it
+        self.reservation = reservation  # the reply's, under its tenant's rate limits
+        self.charges = charges  # this choice's admission charges the reply's reservation
+        self._produced = 0  # tokens the worker generated, as far as this replica has seen
+        self._answered = False  # a token or a finish came
+        self._settling: asyncio.Future[None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -77,20 +90,46 @@ class Generation:
         try:
             await pipe.execute()
             self._enqueued = True  # from here on it may be on the stream (if the script fails)
-            refused = await ctx.admission.try_enqueue(req)
+            charge = self.reservation.charge if self.reservation and self.charges else None
+            admitted = await ctx.admission.try_enqueue(req, charge)
         except aioredis.RedisError as e:
             self.outcome = "redis_unavailable"
             await self.close()
             raise _unavailable(ctx, e) from e
-        if refused is not None:
-            ctx.metrics.rejected.labels("queue_full").inc()
-            self._closed = True  # never enqueued: nothing to end
-            ctx.reader.close(self._sub)
-            ctx.live.remove(req.id)
-            with contextlib.suppress(aioredis.RedisError):
-                await ctx.clients.commands.delete(state_key)
-            raise APIError(429, refused, type="rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": "1"})
+        bucket = admitted.limits
+        if admitted.refused is None and (bucket is None or bucket.refused is None):
+            if self.reservation is not None and bucket is not None:
+                self.reservation.bucket = bucket  # charged
+            return
+        self._closed = True  # never enqueued: nothing to end
+        ctx.reader.close(self._sub)
+        ctx.live.remove(req.id)
+        with contextlib.suppress(aioredis.RedisError):
+            await ctx.clients.commands.delete(state_key)
+        if bucket is not None and bucket.refused is not None:
+            ctx.metrics.rejected.labels("rate_limited").inc()
+            ctx.metrics.rate_limited.labels(req.tenant, bucket.refused).inc()
+            await self._settled()
+            raise rate_limited(bucket, req.model, req.tenant)
+        ctx.metrics.rejected.labels("queue_full").inc()
+        if self.reservation is not None:
+            self.reservation.refused()
+        await self._settled()
+        if bucket is None and self.reservation is not None:
+            bucket = self.reservation.bucket  # a later choice: the first one's charge
+        raise APIError(429, admitted.refused or "", type="rate_limit_exceeded",
+                       code="queue_full", headers={"Retry-After": "1", **(
+                           {} if bucket is None else limit_headers(bucket))})
+
+    async def _settled(self, used: int = 0) -> None:
+        """Tell the reply's reservation this choice is over, having used `used` of its
+        `max_tokens`. A task, shielded: this often runs while the handler is being
+        cancelled, and the reply's last choice settles it."""
+        if self.reservation is not None:
+            unused = max(self.request.params.max_tokens - used, 0)
+            self._settling = asyncio.ensure_future(
+                self.reservation.ended(unused, self._answered))
+            await asyncio.shield(self._settling)
 
     def fail(self, error: Error) -> None:
         """End the request from this side: its client gets `error` next, and the worker is
@@ -124,12 +163,22 @@ class Generation:
                     continue
                 return self._end(Error("request timed out", "timeout", "request_timeout"))
         self._started = True
-        if self.timer is not None and not sub.failed:  # from the worker, not from here
-            self.timer.entry(self.request.id, entry)
+        if not sub.failed:  # from the worker, not from here
+            if self.timer is not None:
+                self.timer.entry(self.request.id, entry)
+            self._count(entry)
         if isinstance(entry, Finish | Error):
             self._worker_ended = not sub.failed
             return self._end(entry)
         return entry
+
+    def _count(self, entry: ResultEntry) -> None:
+        if isinstance(entry, Tokens) and entry.ids:
+            self._produced = max(self._produced, entry.index + len(entry.ids))
+            self._answered = True
+        elif isinstance(entry, Finish):
+            self._produced = max(self._produced, entry.completion_tokens)
+            self._answered = True
 
     def _end(self, entry: Finish | Error) -> Finish | Error:
         self.outcome = entry.finish_reason if isinstance(entry, Finish) else entry.code
@@ -149,6 +198,7 @@ class Generation:
             return
         self._closed = True
         if self._sub is None:
+            await self._settled()
             return  # never admitted: nothing to undo
         ctx = self.ctx
         outcome = self.outcome or outcome
@@ -168,11 +218,16 @@ class Generation:
                 deferred = asyncio.create_task(self._abort_unless_resumed(grace))
                 ctx.live.deferred.add(deferred)
                 deferred.add_done_callback(ctx.live.deferred.discard)
+                # It runs on, maybe for a client of another replica: it keeps its tokens.
+                await self._settled(self.request.params.max_tokens)
                 return
             if self._aborting is None:
                 self._aborting = asyncio.create_task(self._abort(abort_cause(outcome)))
+            await self._settled(self._produced)
             # Shielded: this often runs while the handler is being cancelled.
             await asyncio.shield(self._aborting)
+            return
+        await self._settled(self._produced)
 
     async def _abort_unless_resumed(self, grace: float) -> None:
         await self._mark_detached()

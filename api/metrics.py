@@ -16,7 +16,9 @@ taken as the result entries are handed to the response, once per entry, never pe
 command. One `request.finished` log event per reply carries the same figures; never text.
 
 Labels stay bounded: model, stream, and outcome (finish reasons and error codes are fixed sets
-in the code); never a request id or a tenant.
+in the code); never a request id. A tenant is a label only on the rate-limit refusals: tenants
+are configured (API keys), so there are as many as the keys file has owners, and an operator
+needs to know whose requests the limits refuse.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class APIMetrics:
         self.rejected = Counter("redserve_api_requests_rejected_total",
                                 "Requests refused before enqueueing, by reason", ["reason"],
                                 registry=r)
+        self.rate_limited = Counter("redserve_api_rate_limited_total",
+                                    "Requests refused by their tenant's rate limit, by tenant "
+                                    "and limit (requests|tokens)", ["tenant", "limit"],
+                                    registry=r)
         self.disconnects = Counter("redserve_api_client_disconnects_total",
                                    "Clients that left before their request ended", registry=r)
         self.aborts = Counter("redserve_api_aborts_total",

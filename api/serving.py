@@ -125,14 +125,20 @@ async def generate(
     view = None
     if body.stream and len(requests) == 1:  # resumable (see api/resume.py)
         view = StreamView(spec, requests[0].deadline, requests[0].queue_deadline)
+    reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests,
+                                     sum(len(p) for p in prompts))
     generations = [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
-                              streaming=body.stream)
+                              streaming=body.stream, reservation=reservation, charges=i == 0)
                    for i, req in enumerate(requests)]
     choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     # All choices enter the queue concurrently; if any is refused (or the client leaves
-    # meanwhile), none stays.
+    # meanwhile), none stays. Under rate limits the first goes alone, charged for the whole
+    # reply: a reply its tenant cannot pay for queues nothing.
     try:
-        started = await asyncio.gather(*(g.start() for g in generations),
+        first = generations[:1] if reservation is not None and len(generations) > 1 else []
+        for g in first:
+            await g.start()
+        started = await asyncio.gather(*(g.start() for g in generations[len(first):]),
                                        return_exceptions=True)
         failure = next((r for r in started if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -145,7 +151,8 @@ async def generate(
                        choices=len(generations))
     for g in generations:
         g.timer = timer
-    headers = {"X-Request-Id": base_id}
+    headers = {"X-Request-Id": base_id,
+               **(reservation.headers() if reservation is not None else {})}
     if body.stream:
         return sse(choices, spec, headers)
     try:

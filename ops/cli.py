@@ -11,6 +11,7 @@ import sys
 from ops.inspector.cli import add_arguments as add_inspect_arguments
 from ops.loadtest.cli import add_arguments as add_bench_arguments
 from ops.options import (
+    LIMITS,
     LOGGING,
     api_options,
     logging_options,
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                       loads_models=args.command in ("up", "api", "worker"))
     if args.command == "api":
         run_api(settings_from(args, "host", "port", "model", "served_model_name", "models_file",
-                              "api_keys_file", "no_auth", "access_log", "log_request_text"))
+                              "api_keys_file", "no_auth", *LIMITS, "access_log",
+                              "log_request_text"))
     elif args.command == "worker":
         run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
                                  "kernels", "batch_invariant", "quantization",
@@ -123,10 +125,11 @@ def run_api(settings: Settings) -> None:
     model_specs(settings)  # a bad list is the command line's: say so before the slow imports
     from api.auth.keys import AuthConfigError
     from api.server import run
+    from shared.tenants import TenantsConfigError
 
     try:
         run(settings)
-    except AuthConfigError as e:
+    except (AuthConfigError, TenantsConfigError) as e:
         log.error("%s", e)
         sys.exit(2)
 

@@ -68,6 +68,19 @@ def api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: 
                    "[env REDSERVE_API_KEYS_FILE]")
     p.add_argument("--no-auth", action="store_true", default=None, help="serve without API "
                    f"keys ({no_auth_default}) [env REDSERVE_NO_AUTH]")
+    p.add_argument("--requests-per-minute", type=int, help="each tenant's requests per minute "
+                   "per model, unless the tenants file says otherwise (default 0: no limit) "
+                   "[env REDSERVE_REQUESTS_PER_MINUTE]")
+    p.add_argument("--tokens-per-minute", type=int, help="each tenant's tokens per minute per "
+                   "model (prompt + max_tokens, settled to what was generated), unless the "
+                   "tenants file says otherwise (default 0: no limit) "
+                   "[env REDSERVE_TOKENS_PER_MINUTE]")
+    p.add_argument("--tenants-file", help="TOML file of per-tenant rate limits and weights, "
+                   "[tenants.<name>] tables (see the README) [env REDSERVE_TENANTS_FILE]")
+
+
+# The settings that `api_options` sets for the rate limits, for `settings_from`.
+LIMITS = ("requests_per_minute", "tokens_per_minute", "tenants_file")
 
 
 def worker_options(p: argparse.ArgumentParser) -> None:

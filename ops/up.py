@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from ops.options import LOGGING, console, model_specs, settings_from
+from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
 from shared.models import ModelInfo, ModelNotFound, resolve_models
 from shared.settings import Settings
@@ -36,8 +36,9 @@ log = logging.getLogger("redserve.up")
 def run_up(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     settings = settings_from(args, "port", "model", "served_model_name", "models_file",
-                         "api_keys_file", "no_auth", *LOGGING)
+                         "api_keys_file", "no_auth", *LIMITS, *LOGGING)
     auth_env = _auth_env(settings, host)
+    _check_tenants(settings)
     specs = model_specs(settings)
     preparing = "preparing the model(s) (the first start converts the default one)"
     # A spinner is for a person at a terminal; a log collector gets a line.
@@ -139,9 +140,11 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
                 "--name", name, *worker_flags, *logs)))
     every_model = [f for info in infos for f in ("--model", f"{info.name}={info.path}")]
     access = ["--access-log"] if settings.access_log else []
+    limits = [f for name in LIMITS if getattr(args, name) is not None
+              for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     return children + [ChildSpec(f"API replica :{port}", (
-        *me, "api", "--host", host, "--port", str(port), *every_model, *logs, *access))
-        for port in ports]
+        *me, "api", "--host", host, "--port", str(port), *every_model, *limits, *logs,
+        *access)) for port in ports]
 
 
 def _replica_ready(base_url: str, models: list[str]) -> bool:
@@ -185,6 +188,19 @@ def _auth_env(settings: Settings, host: str) -> dict[str, str]:
     log.warning("authentication is off (no API key set; listening on %s); set "
                 "REDSERVE_API_KEYS or --api-keys-file to require keys", host)
     return {"REDSERVE_NO_AUTH": "true"}
+
+
+def _check_tenants(settings: Settings) -> None:
+    """A tenants file the replicas would refuse, refused here, once, before anything starts."""
+    from shared.tenants import TenantsConfigError, tenant_policies
+
+    try:
+        policies = tenant_policies(settings)
+    except TenantsConfigError as e:
+        log.error("%s", e)
+        sys.exit(2)
+    if settings.tenants_file is not None:
+        log.info("tenants file %s: %d tenant(s)", settings.tenants_file, len(policies.tenants))
 
 
 def _is_loopback(host: str) -> bool:

@@ -4,11 +4,14 @@ A request id embeds the hash tag of the API replica that accepted it (`<replica>
 all of that request's keys carry the tag in braces. So one replica's result streams share a
 Redis Cluster slot (its single multiplexed XREAD is legal there), and any replica can derive a
 request's keys from its id alone. A model's keys carry the model's name as their hash tag: its
-queue and its request stream share a slot, so one script can admit and enqueue a request.
+queue, its request stream and its tenants' rate-limit buckets share a slot, so one script can
+check a tenant's limits, admit and enqueue a request (and the limits are per model, as
+OpenAI's are).
 
     {prefix}:model:{<model>}:requests      stream of unfinished requests, group `workers` (TTL)
     {prefix}:model:{<model>}:queued        sorted set of requests no worker took yet (TTL)
     {prefix}:model:{<model>}:workers       sorted set: live workers by heartbeat expiry (TTL)
+    {prefix}:model:{<model>}:limits:<tenant>  hash: `messages.BucketField` (rate limits) (TTL)
     {prefix}:{<replica>}:<id>              hash: `messages.RequestField`      (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel: the source of truth (TTL)
@@ -18,8 +21,9 @@ queue and its request stream share a slot, so one script can admit and enqueue a
     {prefix}:worker:<name>                 heartbeat: `messages.Heartbeat`    (TTL)
 
 What each key holds is typed in `shared.messages`: the stream entries, the request hash's
-fields (`RequestField`, read and written through `RequestHash`) and the heartbeat's body
-(`Heartbeat`); nothing else spells a field's name.
+fields (`RequestField`, read and written through `RequestHash`), the heartbeat's body
+(`Heartbeat`) and the rate-limit bucket's fields (`BucketField`); nothing else spells a field's
+name.
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as
@@ -79,6 +83,10 @@ class Keys:
 
     def workers(self, model: str) -> str:
         return f"{self._model(model)}:workers"
+
+    def limits(self, model: str, tenant: str) -> str:
+        """A tenant's rate-limit bucket for the model (`shared.messages.limits`)."""
+        return f"{self._model(model)}:limits:{tenant}"
 
     @property
     def aborts(self) -> str:

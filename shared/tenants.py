@@ -9,6 +9,9 @@ of this file: a tenant's policy changes with a rolling restart of the replicas a
     requests_per_minute = 600     # 0: no limit
     tokens_per_minute = 200000    # prompt + max completion tokens, reserved at admission
     weight = 2.0                  # its share of a busy model beside the others (default 1)
+
+The limits are per tenant per model (each model's buckets live in that model's Redis slot), as
+OpenAI's are per model. `tenant_policies` is the one place a process loads them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 
 class TenantsConfigError(ValueError):
@@ -46,6 +52,8 @@ class TenantPolicies:
             data = tomllib.loads(path.read_text())
         except OSError as e:
             raise TenantsConfigError(f"cannot read the tenants file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise TenantsConfigError(f"the tenants file {path} is not UTF-8 text") from None
         except tomllib.TOMLDecodeError as e:
             raise TenantsConfigError(f"the tenants file {path} is not valid TOML: {e}") from None
         unknown = set(data) - {"tenants"}
@@ -57,6 +65,14 @@ class TenantPolicies:
             raise TenantsConfigError(f"the tenants file {path}: `tenants` must be a table")
         return cls(default, {name: _policy(name, entry, default)
                              for name, entry in tenants.items()})
+
+
+def tenant_policies(settings: Settings) -> TenantPolicies:
+    """Every tenant's policy: the tenants file over the defaults of the settings.
+    TenantsConfigError (the process must not start) for a file that is unusable."""
+    return TenantPolicies.load(
+        TenantPolicy(settings.requests_per_minute, settings.tokens_per_minute),
+        settings.tenants_file)
 
 
 def _policy(name: str, entry: Any, default: TenantPolicy) -> TenantPolicy:

@@ -2,15 +2,15 @@
 
 One walk with `MATCH <prefix>:*` and a COUNT (so Redis never blocks on a large keyspace) finds
 every key of the deployment, and each is recognised by the key builders of shared/keys.py:
-request hashes, the keys of each model, worker heartbeats. One walk rather than one per kind,
-because a walk costs a pass over the whole keyspace whatever it matches. On Redis Cluster,
-redis-py's `RedisCluster.scan_iter` walks every primary in turn (each with its own cursor), so
-the same call sees the keys of every node.
+request hashes, the keys of each model, its tenants' rate-limit buckets, worker heartbeats.
+One walk rather than one per kind, because a walk costs a pass over the whole keyspace
+whatever it matches. On Redis Cluster, redis-py's `RedisCluster.scan_iter` walks every primary
+in turn (each with its own cursor), so the same call sees the keys of every node.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -24,6 +24,8 @@ class Found:
     request_ids: frozenset[str]  # every request with a hash, finished or not
     models: frozenset[str]  # every model with a request stream, queue or live set
     workers: frozenset[str]  # every worker with a heartbeat
+    # (model, tenant) of every rate-limit bucket (tenants that used a limit this minute)
+    limits: frozenset[tuple[str, str]] = field(default_factory=frozenset)
 
 
 def _shape(builder_output: str) -> tuple[str, str]:
@@ -35,7 +37,8 @@ def _shape(builder_output: str) -> tuple[str, str]:
 def classify(keys: Keys, names: list[str]) -> Found:
     model_shapes = [_shape(build("\0")) for build in (keys.requests, keys.queued, keys.workers)]
     worker_head = keys.worker("")
-    requests, models, workers = set(), set(), set()
+    limits_head, limits_mid = _shape(keys.limits("\0", ""))  # `<model>`, then the tenant
+    requests, models, workers, limits = set(), set(), set(), set()
     for key in names:
         candidate = key.rpartition(":")[2]
         if is_request_id(candidate) and keys.state(candidate) == key:
@@ -44,11 +47,16 @@ def classify(keys: Keys, names: list[str]) -> Found:
         if key.startswith(worker_head):
             workers.add(key[len(worker_head):])
             continue
+        if key.startswith(limits_head) and limits_mid in key[len(limits_head):]:
+            model, _, tenant = key[len(limits_head):].partition(limits_mid)
+            if model and tenant:
+                limits.add((model, tenant))
+                continue
         for head, tail in model_shapes:
             if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
                 models.add(key[len(head):len(key) - len(tail)])
                 break
-    return Found(frozenset(requests), frozenset(models), frozenset(workers))
+    return Found(frozenset(requests), frozenset(models), frozenset(workers), frozenset(limits))
 
 
 async def walk(redis: aioredis.Redis, keys: Keys) -> Found:

@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ops.inspector.snapshot import Snapshot, Unreadable
+from ops.inspector.snapshot import LimitView, Snapshot, Unreadable
 
 STATE_STYLE = {"queued": "yellow", "running": "cyan", "streaming": "green",
                "resumable": "magenta", "cancelling": "red"}
@@ -29,6 +29,8 @@ def as_json(snapshot: Snapshot) -> str:
 def tables(snapshot: Snapshot) -> RenderableType:
     parts: list[RenderableType] = [_summary(snapshot), _requests(snapshot), _models(snapshot),
                                    _workers(snapshot)]
+    if snapshot.limits:
+        parts.append(_limits(snapshot.limits))
     if snapshot.unreadable:
         parts.append(_unreadable(snapshot.unreadable))
     return Group(*parts)
@@ -88,6 +90,23 @@ def _workers(s: Snapshot) -> Table:
             "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}", Text(w.device),
             Text(w.dtype))
     return table
+
+
+def _limits(limits: tuple[LimitView, ...]) -> Table:
+    table = Table(title="rate limits used this minute (remaining/limit, per tenant per model)",
+                  title_justify="left")
+    for name in ("model", "tenant", "requests", "tokens"):
+        table.add_column(name, justify="left" if name in ("model", "tenant") else "right",
+                         no_wrap=True)
+    for v in limits:
+        table.add_row(Text(v.model), Text(v.tenant),
+                      _left(v.requests_remaining, v.requests_limit),
+                      _left(v.tokens_remaining, v.tokens_limit))
+    return table
+
+
+def _left(remaining: int | None, limit: int) -> str:
+    return "-" if remaining is None else f"{remaining}/{limit}"
 
 
 def _unreadable(keys: tuple[Unreadable, ...]) -> Table:

@@ -9,7 +9,9 @@ fields shown, never HGETALL: the hash of a resumable stream holds its whole rend
 (their abort and resumed keys, the last entry of their result stream); the rest are counted.
 A key that does not hold what redserve writes there (a heartbeat that is not JSON, a count that
 is not a number) is listed as unreadable, with what is wrong, and the rest is shown as usual:
-an operator's view must not fail on the one key that needs looking at.
+an operator's view must not fail on the one key that needs looking at. A tenant's rate-limit
+bucket is shown as it stands now: its stored levels refilled to Redis's clock (one TIME), as
+the admission script would see them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from redis.exceptions import RedisError
 from ops.inspector.keyspace import text, walk
 from shared.keys import QUEUE_STALE_MARGIN_S, WORKER_GROUP, Keys, replica_of
 from shared.messages import (
+    Bucket,
+    BucketField,
     Finish,
     Heartbeat,
     RequestField,
@@ -83,6 +87,19 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
+class LimitView:
+    """A tenant's rate limits on one model, now (a tenant with none used this minute: not
+    listed, its buckets are full)."""
+
+    model: str
+    tenant: str
+    requests_remaining: int | None  # None: no requests limit
+    requests_limit: int
+    tokens_remaining: int | None  # None: no tokens limit
+    tokens_limit: int
+
+
+@dataclass(frozen=True)
 class Unreadable:
     """A key that does not hold what redserve writes there, and what is wrong with it."""
 
@@ -101,6 +118,7 @@ class Snapshot:
     requests: tuple[RequestView, ...]  # oldest first
     models: tuple[ModelView, ...]
     workers: tuple[WorkerView, ...]
+    limits: tuple[LimitView, ...]  # by model, then tenant
     unreadable: tuple[Unreadable, ...]  # keys that do not hold what redserve writes there
 
 
@@ -168,7 +186,9 @@ async def take(redis: aioredis.Redis, keys: Keys, *, queue_timeout_s: float,
         requests=tuple(requests),
         models=tuple(await _models(redis, keys, sorted(names), now - queue_timeout_s
                                    - QUEUE_STALE_MARGIN_S, now)),
-        workers=tuple(workers), unreadable=tuple(unreadable))
+        workers=tuple(workers),
+        limits=tuple(await _limits(redis, keys, sorted(found.limits), model, unreadable)),
+        unreadable=tuple(unreadable))
 
 
 async def _requests(redis: aioredis.Redis, keys: Keys, listed: list[_Live], now: float,
@@ -263,6 +283,35 @@ async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_sin
             lag=None if group is None or group.get("lag") is None else int(group["lag"]),
             pending=0 if group is None else int(group["pending"]),
             live_workers=tuple(sorted(text(n) for n in live or []))))
+    return views
+
+
+async def _limits(redis: aioredis.Redis, keys: Keys, buckets: list[tuple[str, str]],
+                  model: str | None, unreadable: list[Unreadable]) -> list[LimitView]:
+    mine = [b for b in buckets if model is None or b[0] == model]
+    if not mine:
+        return []
+    seconds, micros = await redis.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    replies = await _batched(redis, mine, 1, lambda p, b: p.hmget(keys.limits(*b),
+                                                                   list(BucketField)))
+    views = []
+    for (name, tenant), [values] in zip(mine, replies, strict=True):
+        if values is None or all(v is None for v in values):
+            continue  # expired since the walk (full again), or a key of another type
+        try:
+            bucket = Bucket.decode(dict(zip(BucketField, [None if v is None else text(v)
+                                                          for v in values], strict=True)))
+        except ValueError as e:
+            unreadable.append(Unreadable(keys.limits(name, tenant), str(e)))
+            continue
+        now = bucket.at(now_ms)
+        views.append(LimitView(
+            model=name, tenant=tenant,
+            requests_remaining=int(now.requests) if now.requests_limit else None,
+            requests_limit=now.requests_limit,
+            tokens_remaining=int(now.tokens) if now.tokens_limit else None,
+            tokens_limit=now.tokens_limit))
     return views
 
 

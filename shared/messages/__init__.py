@@ -20,11 +20,14 @@ Request hash (`RequestField` names its fields, `RequestHash` writes and reads th
 parts, by the replica that accepts the request and by the worker that runs it; read by any
 replica (cancel, resume) and by `redserve inspect`.
 Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
+Rate-limit bucket hash (`BucketField` names its fields, `Bucket` reads them): a tenant's
+request and token levels for one model, written by the replicas' admission and settle scripts.
 """
 
 from __future__ import annotations
 
 from shared.messages.heartbeat import Heartbeat
+from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.results import (
     Error,
@@ -42,7 +45,8 @@ from shared.messages.results import (
 from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
-    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "RequestField",
+    "BUCKET_TTL_MS", "WINDOW_MS", "Bucket", "BucketField", "Error", "Finish", "FinishReason",
+    "GenerateRequest", "Heartbeat", "RequestField",
     "RequestHash", "RequestState", "ResultEntry", "SamplingParams", "TokenLogprob", "Tokens",
     "decode_feed", "decode_result", "expand", "feed_fields", "is_terminal", "queue_timeout",
 ]
