@@ -22,8 +22,17 @@ from shared.messages import Error
 from shared.models import parse_specs, resolve_models
 from shared.redis_conn import connect
 from shared.settings import Settings
+from shared.tenants import TenantPolicies, TenantPolicy
 
 SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
+
+
+def load_tenants(settings: Settings) -> TenantPolicies:
+    """Every tenant's rate limits and fair-share weight (shared/tenants.py): the tenants file
+    over the settings' default. Raises `TenantsConfigError` (the replica must not start)."""
+    return TenantPolicies.load(
+        TenantPolicy(settings.requests_per_minute, settings.tokens_per_minute),
+        settings.tenants_file)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -35,6 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
         raise AuthConfigError(
             "no API keys: set REDSERVE_API_KEYS or REDSERVE_API_KEYS_FILE, or set "
             "REDSERVE_NO_AUTH=true to serve without authentication")
+    tenants = load_tenants(settings)
     # Made here, not in the lifespan: the response counter wraps the app from the start.
     metrics = APIMetrics()
 
@@ -67,7 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
             settings.max_queued_per_tenant), settings.request_ttl_s)
         ctx = AppContext(settings, keys, models, clients, reader, admission, metrics, replica,
-                         live)
+                         live, tenants)
         metrics.watch(
             inflight=lambda: len(ctx.live.requests) + len(ctx.live.resumes),
             queues=lambda: len(reader.subscriptions),

@@ -20,6 +20,7 @@ from shared.messages import Error
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients
 from shared.settings import Settings
+from shared.tenants import TenantPolicies
 
 
 class LiveRequest(Protocol):
@@ -104,3 +105,4 @@ class AppContext:
     metrics: APIMetrics
     replica: str
     live: Live = field(default_factory=Live)
+    tenants: TenantPolicies = field(default_factory=TenantPolicies)  # see api/app.py

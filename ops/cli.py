@@ -123,10 +123,11 @@ def run_api(settings: Settings) -> None:
     model_specs(settings)  # a bad list is the command line's: say so before the slow imports
     from api.auth.keys import AuthConfigError
     from api.server import run
+    from shared.tenants import TenantsConfigError
 
     try:
         run(settings)
-    except AuthConfigError as e:
+    except (AuthConfigError, TenantsConfigError) as e:
         log.error("%s", e)
         sys.exit(2)
 

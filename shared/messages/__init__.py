@@ -20,11 +20,13 @@ Request hash (`RequestField` names its fields, `RequestHash` writes and reads th
 parts, by the replica that accepts the request and by the worker that runs it; read by any
 replica (cancel, resume) and by `redserve inspect`.
 Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
+Queued-set member (`QueueMember`) and service counters (`ServiceCounters`): see `queue`.
 """
 
 from __future__ import annotations
 
 from shared.messages.heartbeat import Heartbeat
+from shared.messages.queue import MEMBER_LUA, QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.results import (
     Error,
@@ -42,7 +44,8 @@ from shared.messages.results import (
 from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
-    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "RequestField",
-    "RequestHash", "RequestState", "ResultEntry", "SamplingParams", "TokenLogprob", "Tokens",
+    "MEMBER_LUA", "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat",
+    "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
+    "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens",
     "decode_feed", "decode_result", "expand", "feed_fields", "is_terminal", "queue_timeout",
 ]
