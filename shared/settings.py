@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     # then any worker takes it (the placed one is overloaded). One placed on a worker that is
     # not live is anyone's at once.
     placement_wait_s: float = Field(default=1.5, ge=0)
+    # With the `fair` policy, a worker may run this many requests beyond `max_running`, each of
+    # a tenant with nothing else on that worker: a light tenant's request starts at the next
+    # step even while a heavy tenant fills the batch, rather than when a slot frees.
+    fair_burst: int = Field(default=2, ge=0)
     # Entries kept in the request stream (approximate trim): far above any sane backlog.
     request_stream_maxlen: int = Field(default=100_000, ge=100)
 
@@ -136,6 +140,11 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(default=3, ge=1)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def batch_limit(self) -> int:
+        """Requests a worker runs at once, at most: `max_running`, and the fair share's burst."""
+        return self.max_running + (self.fair_burst if self.queue_policy == "fair" else 0)
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from shared.messages import (
 )
 from tests.stack import Stack, eventually
 from worker.recovery import Recovery
-from worker.take import TakePolicy, Taker
+from worker.take import Room, TakePolicy, Taker
 
 MODEL = "fair-model"
 
@@ -37,7 +37,7 @@ MODEL = "fair-model"
 def _policy(fair: bool = True, starvation_after_s: float = 30.0,
             placement_wait_s: float = 1.5) -> TakePolicy:
     return TakePolicy(fair, starvation_after_s, placement_wait_s, queue_timeout_s=60.0,
-                      service_ttl_s=600)
+                      service_ttl_s=600, burst=0)
 
 
 def _request(tenant: str, *, prompt: int = 4, priority: int = 0, weight: float = 1.0,
@@ -67,8 +67,8 @@ class Queue:
     def taker(self, name: str = "w1", **policy: object) -> Taker:
         return Taker(self.r, self.keys, MODEL, name, _policy(**policy))  # type: ignore[arg-type]
 
-    async def take(self, taker: Taker, room: int) -> list[str]:
-        taken = await taker.take(room)
+    async def take(self, taker: Taker, room: int | Room) -> list[str]:
+        taken = await taker.take(room if isinstance(room, Room) else Room(room))
         return [GenerateRequest.from_fields(f).id for _, f in taken.entries]
 
 
@@ -154,7 +154,7 @@ async def test_placed_requests_wait_for_their_worker_then_anyone_takes_them(
                                                   "w2": time.time() + 30})
     placed = _request("t", worker="w1")
     await queue.add(placed)
-    taken = await w2.take(4)
+    taken = await w2.take(Room(4))
     assert taken.entries == [] and 0 < taken.retry_ms <= 600 and taken.last_id
     assert await queue.take(w1, 4) == [placed.id]
     # Placed on w1 but w1 does not take it in time: anyone may.
@@ -225,6 +225,20 @@ async def test_recovery_never_claims_queued_entries(queue: Queue, sync: redis.Re
     assert sync.zcard(queue.keys.queued(MODEL)) == 2
 
 
+async def test_the_burst_is_for_tenants_under_their_share_of_the_batch(queue: Queue) -> None:
+    heavy = [_request("heavy") for _ in range(3)]
+    light, other = [_request("light"), _request("light")], _request("other")
+    await queue.add(*heavy, *light, other)
+    taker = queue.taker()
+    # Full (no regular room) with a batch of 6: three tenants, a share of 2 each. Heavy holds
+    # 5, light 1: a burst of three takes light's and other's, not heavy's.
+    held = {"heavy": 5, "light": 1}
+    assert await queue.take(taker, Room(0, 3, 6, held)) == [light[0].id, other.id]
+    # Light now holds its share: only the regular room serves it (the fairest first).
+    assert await queue.take(taker, Room(0, 3, 6, {"heavy": 5, "light": 2, "other": 1})) == []
+    assert await queue.take(taker, Room(1, 0, 6, {"heavy": 5, "light": 2})) == [heavy[0].id]
+
+
 # --- through a real worker ----------------------------------------------------------------------
 
 WORKER = "fair-w1"
@@ -232,9 +246,11 @@ WORKER = "fair-w1"
 
 @pytest.fixture(scope="module")
 def one_slot(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    """A worker with room for one request at a time, steps of 10 ms, placement wait 1 s."""
+    """A worker with room for one request at a time and a burst of one, steps of 10 ms,
+    placement wait 1 s."""
     stack = Stack(redis_url, tiny_model, served_name=MODEL, api=False, env={
-        "REDSERVE_MAX_RUNNING": "1", "REDSERVE_SYNTHETIC_STEP_MS": "10",
+        "REDSERVE_MAX_RUNNING": "1", "REDSERVE_FAIR_BURST": "1",
+        "REDSERVE_SYNTHETIC_STEP_MS": "10",
         "REDSERVE_WORKER_NAME": WORKER, "REDSERVE_PLACEMENT_WAIT_S": "1.0"}).start()
     try:
         yield stack
@@ -275,21 +291,29 @@ def test_a_worker_takes_the_light_tenant_before_the_heavy_backlog(
     asyncio.run(_admit(one_slot, blocker))
     assert eventually(lambda: _first_token(sync_redis, keys, blocker.id) is not None, 10)
     backlog = [_request("heavy") for _ in range(3)]
-    light = _request("light")
-    asyncio.run(_admit(one_slot, *backlog, light))
-    everyone = [blocker, *backlog, light]
+    light = [_request("light"), _request("light")]
+    asyncio.run(_admit(one_slot, *backlog, *light))
+    everyone = [blocker, *backlog, *light]
     assert eventually(lambda: all(_ended(sync_redis, keys, q.id) for q in everyone), 30), \
         one_slot.output()
     started = sorted(everyone, key=lambda q: _entry_order(sync_redis, keys, q.id))
-    # The heavy tenant's blocker generates tokens while the rest wait: light, lifted to the
-    # heavy tenant's service when it joined, is behind it by then.
-    assert [q.id for q in started] == [blocker.id, light.id, *(q.id for q in backlog)]
+    # The first light request runs beside the blocker (the burst: light had nothing on the
+    # worker); the second before the heavy backlog (heavy's service grew with the blocker's
+    # tokens); then the backlog, oldest first.
+    assert [q.id for q in started] == [blocker.id, *(q.id for q in light),
+                                        *(q.id for q in backlog)]
+    [(blocker_end, _)] = sync_redis.xrevrange(keys.out(blocker.id), count=1)
+    assert _entry_order(sync_redis, keys, light[0].id) < _order(blocker_end.decode())
 
 
 def _entry_order(r: redis.Redis, keys: Keys, request_id: str) -> tuple[int, int]:
     first = _first_token(r, keys, request_id)
     assert first is not None
-    ms, seq = first[0].split("-")
+    return _order(first[0])
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
     return int(ms), int(seq)
 
 

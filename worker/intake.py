@@ -33,7 +33,7 @@ from shared.redis_conn import RedisClients, StreamEntries
 from shared.retry import RedisBackoff
 from worker.aborts import LOOKBACK_MS, AbortWatch
 from worker.recovery import Claimed
-from worker.take import Taken, Taker
+from worker.take import Room, Taken, Taker
 
 log = logging.getLogger("redserve.worker")
 
@@ -42,18 +42,20 @@ BLOCK_MS = 1000
 
 class Intake:
     def __init__(self, clients: RedisClients, stream: str, name: str, aborts: AbortWatch,
-                 room: Callable[[], int], request_ttl_s: int, taker: Taker) -> None:
+                 room: Callable[[], Room], request_ttl_s: int, taker: Taker) -> None:
         self.clients = clients
         self.taker = taker
         self.stream = stream
         self.name = name
         self.aborts = aborts
-        self._room = room  # requests the engine can still take
+        self._room = room  # what the worker can still take, beside `queue`
         self.request_ttl_s = request_ttl_s
         self.queue: list[Claimed] = []
         self.arrived = asyncio.Event()
         self._room_changed = asyncio.Event()
         self._stopping = False
+        # The XREAD that waits for the next entry; never cancelled (see `_wait`).
+        self._arrival: asyncio.Task[object] | None = None
 
     def take(self) -> list[Claimed]:
         """Everything read so far, for admission."""
@@ -108,20 +110,16 @@ class Intake:
     async def run(self) -> None:
         backoff = RedisBackoff("reading requests", start=0.1, cap=5.0, log=log)
         while not self._stopping:
-            room = self._room() - len(self.queue)
-            if room <= 0:
-                self._room_changed.clear()
-                try:
-                    await asyncio.wait_for(self._room_changed.wait(), BLOCK_MS / 1000)
-                except TimeoutError:
-                    pass
+            room = self._room()
+            if not room:
+                await self._until_room()
                 continue
             try:
                 taken = await self.taker.take(room)
                 await self.offer(await self._requests(taken.entries))
                 backoff.reset()
-                if len(taken.entries) < room:  # nothing more for this worker yet
-                    await self._wait(taken)
+                if not (taken.waiting and self._room().regular > 0):  # nothing more for now
+                    await self._wait(taken, full=self._room().regular <= 0)
             except aioredis.RedisError as e:
                 if "NOGROUP" in str(e):
                     log.warning("the request stream or its group is gone (expired, or Redis "
@@ -130,15 +128,44 @@ class Intake:
                         await self.ensure_group()
                         continue
                 await backoff.wait(e)
+        if self._arrival is not None:
+            with contextlib.suppress(Exception):
+                await self._arrival  # at most one block
 
-    async def _wait(self, taken: Taken) -> None:
-        """Until an entry is added after the take (or a placed one becomes anyone's)."""
+    async def _until_room(self) -> None:
+        self._room_changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room_changed.wait(), BLOCK_MS / 1000)
+
+    async def _wait(self, taken: Taken, *, full: bool) -> None:
+        """Until an entry is added after the take, a member placed on another worker becomes
+        anyone's, or (`full`: only a burst was left) a slot frees. The XREAD runs on as a task
+        when a slot frees first, rather than being cancelled (that would drop its
+        connection); the next wait reuses it: from an older id it only wakes sooner."""
         block = BLOCK_MS if taken.retry_ms < 0 else max(min(taken.retry_ms, BLOCK_MS), 1)
-        if taken.last_id:
-            await self.clients.blocking.xread({self.stream: taken.last_id}, count=1,
-                                              block=block)
-        else:
-            await asyncio.sleep(block / 1000)
+        if not taken.last_id:  # the room went to entries added by hand: take again
+            return
+        if self._arrival is None or self._arrival.done():
+            if self._arrival is not None:  # a wake for a take that has happened since
+                with contextlib.suppress(Exception):
+                    self._arrival.result()
+            self._arrival = asyncio.create_task(self._next_entry(taken.last_id, block))
+        deadline = time.monotonic() + block / 1000
+        while not self._arrival.done() and (left := deadline - time.monotonic()) > 0:
+            self._room_changed.clear()
+            waits: list[asyncio.Future[object]] = [self._arrival]
+            if full:
+                waits.append(asyncio.ensure_future(self._room_changed.wait()))
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for extra in waits[1:]:
+                extra.cancel()
+            if full and self._room().regular > 0:
+                return
+        if self._arrival.done():
+            self._arrival.result()  # a Redis error is the caller's to handle
+
+    async def _next_entry(self, after: str, block: int) -> object:
+        return await self.clients.blocking.xread({self.stream: after}, count=1, block=block)
 
     async def _requests(self, entries: StreamEntries) -> list[Claimed]:
         claimed: list[Claimed] = []

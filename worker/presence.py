@@ -67,7 +67,7 @@ class Presence:
                 await self._part("claim abandoned requests", self._claim)
             await self._part("check abort keys",
                              lambda: self.aborts.check(self.redis, self.held()))
-            await self._part("charge tenants' service", lambda: self.intake.taker.take(0))
+            await self._part("charge tenants' service", self.intake.taker.charge)
             await asyncio.sleep(self.ttl_s / 3)
 
     async def _claim(self) -> None:

@@ -42,7 +42,7 @@ from worker.metrics import WorkerMetrics
 from worker.presence import Presence
 from worker.publisher import Publisher
 from worker.recovery import Claimed, Recovery, too_many_deliveries
-from worker.take import TakePolicy, Taker
+from worker.take import Room, TakePolicy, Taker
 
 log = logging.getLogger("redserve.worker")
 
@@ -67,7 +67,7 @@ class WorkerService:
         self.taker = Taker(clients.commands, keys, info.name, self.name,
                            TakePolicy.of(settings))
         self.intake = Intake(clients, keys.requests(info.name), self.name, self.aborts,
-                             self._room, settings.request_ttl_s, self.taker)
+                             self._take_room, settings.request_ttl_s, self.taker)
         self.presence = Presence(
             clients.commands, keys, self.name, info.name, settings.heartbeat_ttl_s,
             self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
@@ -77,6 +77,16 @@ class WorkerService:
 
     def _room(self) -> int:
         return self.settings.max_running - self.engine.num_requests
+
+    def _take_room(self) -> Room:
+        """What the intake may take now, beside what it holds already (see worker/take.py:
+        the burst is for tenants holding less than their share of the batch)."""
+        tenants = collections.Counter(self.engine.tenants())
+        tenants.update(c.request.tenant for c in self.intake.queue)
+        held = tenants.total()
+        return Room(self.settings.max_running - held,
+                    min(self.taker.policy.burst, self.settings.batch_limit - held),
+                    self.settings.max_running, dict(tenants))
 
     def _status(self) -> Heartbeat:
         """What this worker knows of itself; the beat adds its time, rate and draining."""

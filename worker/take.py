@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -44,11 +45,14 @@ from shared.settings import Settings
 
 # KEYS: queued set, entries hash, request stream, live workers, service counters.
 # ARGV: now, stale before, worker, room, fair (1|0), placement wait, starving before,
-#       service TTL, group, queue consumer, then (tenant, weighted tokens) pairs to charge.
+#       service TTL, group, queue consumer, burst, batch slots, N, then N (tenant, requests
+#       held on the worker) pairs, then (tenant, weighted tokens) pairs to charge.
 _TAKE = MEMBER_LUA + """
 local now, me, room = tonumber(ARGV[1]), ARGV[3], tonumber(ARGV[4])
 local fair, wait, starving = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7])
-local group, queued = ARGV[9], ARGV[10]
+local group, queued, burst, slots = ARGV[9], ARGV[10], tonumber(ARGV[11]), tonumber(ARGV[12])
+local held, charges = {}, 14 + 2 * tonumber(ARGV[13])
+for i = 14, charges - 1, 2 do held[ARGV[i]] = tonumber(ARGV[i + 1]) end
 -- Entries admission did not queue (added by hand, or while the group was gone) are taken
 -- first, as they come; no group (it expired with its stream): NOGROUP before anything is
 -- written, and the worker makes it anew.
@@ -61,10 +65,10 @@ if room > 0 then
     if e[2][1] == 'id' then redis.call('HDEL', KEYS[2], e[2][2]) end
   end
 end
-for i = 11, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[5], ARGV[i], ARGV[i + 1]) end
-if #ARGV > 10 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+for i = charges, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[5], ARGV[i], ARGV[i + 1]) end
+if #ARGV >= charges then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
 room = room - #entries
-if room <= 0 then return {entries, '', -1} end
+if room <= 0 and burst <= 0 then return {entries, '', -1, 0} end
 
 local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local present, candidates, live = {}, {}, {}
@@ -120,18 +124,35 @@ local function before(a, b)
   if ca ~= cb then return ca < cb end
   return a.at < b.at
 end
-while #taken < room and #candidates > 0 do
-  local best = 1
-  for i = 2, #candidates do
-    if before(candidates[i], candidates[best]) then best = i end
+-- A tenant's equal share of the batch, among those with requests here or queued for it.
+local tenants, count = {}, 0
+local function counted(tenant)
+  if not tenants[tenant] then tenants[tenant] = true; count = count + 1 end
+end
+for tenant in pairs(held) do counted(tenant) end
+for _, c in ipairs(candidates) do counted(c.tenant) end
+local share = slots / math.max(count, 1)
+-- The next candidate in order; `under_share`: only of a tenant holding less than its share.
+local function next_one(under_share)
+  local best = nil
+  for i, c in ipairs(candidates) do
+    if (not under_share or (held[c.tenant] or 0) < share)
+       and (best == nil or before(c, candidates[best])) then best = i end
   end
+  if best == nil then return false end
   local m = table.remove(candidates, best)
   table.insert(taken, m.id)
   table.insert(gone, m.member)
+  held[m.tenant] = (held[m.tenant] or 0) + 1
   local charge = m.tokens / m.weight
   served[m.tenant] = service(m.tenant) + charge
   redis.call('HINCRBYFLOAT', KEYS[5], m.tenant, tostring(charge))
+  return true
 end
+while #taken < room and next_one(false) do end
+-- The burst (fair share): beyond the room, for tenants holding less than their share.
+local extra = 0
+while extra < burst and next_one(true) do extra = extra + 1 end
 if #gone > 0 then
   redis.call('ZREM', KEYS[1], unpack(gone))
   redis.call('EXPIRE', KEYS[5], ARGV[8])
@@ -147,26 +168,35 @@ for _, id in ipairs(taken) do
     end
   end
 end
-local last = ''
-if #taken < room then
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == group then last = info['last-delivered-id'] end
-  end
-end
-return {entries, last, retry}
+local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+return {entries, newest and newest[1] or '0-0', retry, #candidates}
 """
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a worker can take now."""
+
+    regular: int  # requests of any tenant
+    # Beyond those, requests of tenants holding less than an equal share of `slots` among
+    # the tenants with requests on the worker or queued for it (the fair share's burst).
+    burst: int = 0
+    slots: int = 1  # the worker's batch (max_running)
+    held: Mapping[str, int] = field(default_factory=dict)  # tenant -> requests on the worker
+
+    def __bool__(self) -> bool:
+        return self.regular > 0 or self.burst > 0
 
 
 @dataclass(frozen=True)
 class Taken:
     entries: StreamEntries  # the requests now this worker's, as stream entries
-    # Where the stream ended, when fewer than `room` were taken (nothing else is this
-    # worker's yet): block on XREAD from here. "" when the take filled the room.
+    # The stream's newest entry: block on XREAD from here for what comes next ("": not looked
+    # at, the room went to entries added by hand).
     last_id: str
     # Milliseconds until a member placed on another worker becomes anyone's; -1: none.
     retry_ms: int
+    waiting: int  # queued requests this worker could take with more room
 
 
 @dataclass(frozen=True)
@@ -176,11 +206,14 @@ class TakePolicy:
     placement_wait_s: float
     queue_timeout_s: float
     service_ttl_s: int
+    burst: int  # see `Room.burst`
 
     @classmethod
     def of(cls, settings: Settings) -> TakePolicy:
-        return cls(settings.queue_policy == "fair", settings.starvation_after_s,
-                   settings.placement_wait_s, settings.queue_timeout_s, settings.request_ttl_s)
+        fair = settings.queue_policy == "fair"
+        return cls(fair, settings.starvation_after_s, settings.placement_wait_s,
+                   settings.queue_timeout_s, settings.request_ttl_s,
+                   settings.fair_burst if fair else 0)
 
 
 class Tally:
@@ -213,8 +246,8 @@ class Taker:
         self.policy = policy
         self.tally = Tally()
 
-    async def take(self, room: int) -> Taken:
-        """Up to `room` queued requests, now pending under this worker's name (with room 0:
+    async def take(self, room: Room) -> Taken:
+        """Queued requests up to `room`, now pending under this worker's name (with no room:
         only charge the tally)."""
         p, now = self.policy, time.time()
         owed = self.tally.drain()
@@ -222,15 +255,22 @@ class Taker:
         for tenant, tokens in owed.items():
             charges += [tenant, repr(tokens)]
         try:
-            entries, last, retry = await self._script(keys=self._keys, args=[
-                now, now - p.queue_timeout_s - QUEUE_STALE_MARGIN_S, self.name, room,
-                1 if p.fair else 0, p.placement_wait_s, now - p.starvation_after_s,
-                p.service_ttl_s, WORKER_GROUP, QUEUED_CONSUMER, *charges])
+            entries, last, retry, waiting = await self._script(keys=self._keys, args=[
+                now, now - p.queue_timeout_s - QUEUE_STALE_MARGIN_S, self.name,
+                max(room.regular, 0), 1 if p.fair else 0, p.placement_wait_s,
+                now - p.starvation_after_s, p.service_ttl_s, WORKER_GROUP, QUEUED_CONSUMER,
+                max(room.burst, 0), room.slots, len(room.held),
+                *(x for pair in room.held.items() for x in pair), *charges])
         except BaseException:
             self.tally.restore(owed)
             raise
         return Taken([(e[0], _pairs(e[1])) for e in entries],
-                     last.decode() if isinstance(last, bytes) else str(last), int(retry))
+                     last.decode() if isinstance(last, bytes) else str(last), int(retry),
+                     int(waiting))
+
+    async def charge(self) -> None:
+        """Send the tally now (the heartbeat: a full or idle worker takes nothing)."""
+        await self.take(Room(0))
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
