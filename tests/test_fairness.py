@@ -9,8 +9,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 import redis
@@ -20,6 +22,7 @@ from api.admission import Admission, QueueLimits
 from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import (
     GenerateRequest,
+    QueueMember,
     SamplingParams,
     ServiceCounters,
     Tokens,
@@ -335,3 +338,29 @@ def test_a_worker_honours_placements_and_takes_them_over_when_due(
     # worker that did not take it: after the placement wait (1 s).
     assert waited[WORKER] < 900 and waited["gone"] < 900, waited
     assert waited["other"] >= 950, waited
+
+
+def test_the_api_queues_the_priority_and_the_tenants_weight(
+        redis_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[tenants.acme]\nweight = 2.5\n")
+    # No worker: the request stays queued while its member is read.
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0, env={
+        "REDSERVE_API_KEYS": "acme:sk-acme-0123456789,zed:sk-zed-0123456789",
+        "REDSERVE_TENANTS_FILE": str(tenants)}).start()
+    r = redis.Redis.from_url(redis_url)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for key, priority in (("sk-acme-0123456789", -3), ("sk-zed-0123456789", None)):
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                        **({} if priority is None else {"priority": priority})}
+                pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}, timeout=5)
+            queued = Keys(stack.prefix).queued(MODEL)
+            assert eventually(lambda: r.zcard(queued) == 2, 10), stack.output()
+            members = {m.tenant: m for m in map(QueueMember.decode, r.zrange(queued, 0, -1))}
+            assert (members["acme"].priority, members["acme"].weight) == (-3, 2.5)
+            assert (members["zed"].priority, members["zed"].weight) == (0, 1.0)
+    finally:
+        r.close()
+        stack.stop()

@@ -11,9 +11,9 @@ worker/recovery.py) join the same queue. Each batch's abort keys are read once, 
 batch is offered (where an announcement could have been missed, see `offer`), so a request
 cancelled while it was queued never starts.
 
-Nothing read is ever dropped: a take is one script (never cancelled halfway; what it claimed is
-offered), and `stop` lets the current wait finish (at most one block): every entry taken stays
-queued here for the drain to hand back.
+Nothing taken is ever dropped: a take is one script (never cancelled halfway; what it claimed
+is offered), and `stop` ends the wait that follows it (the XREAD it cancels only watches the
+stream: it holds nothing), so every entry taken stays queued here for the drain to hand back.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Intake:
         self.arrived = asyncio.Event()
         self._room_changed = asyncio.Event()
         self._stopping = False
+        self._stopped = asyncio.Event()
         # The XREAD that waits for the next entry; never cancelled (see `_wait`).
         self._arrival: asyncio.Task[object] | None = None
 
@@ -68,6 +69,7 @@ class Intake:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._room_changed.set()
 
     async def offer(self, claimed: list[Claimed]) -> None:
@@ -128,9 +130,10 @@ class Intake:
                         await self.ensure_group()
                         continue
                 await backoff.wait(e)
-        if self._arrival is not None:
-            with contextlib.suppress(Exception):
-                await self._arrival  # at most one block
+        if self._arrival is not None:  # a read that holds nothing: no need to wait for it
+            self._arrival.cancel()
+            with contextlib.suppress(BaseException):
+                await self._arrival
 
     async def _until_room(self) -> None:
         self._room_changed.clear()
@@ -153,13 +156,14 @@ class Intake:
         deadline = time.monotonic() + block / 1000
         while not self._arrival.done() and (left := deadline - time.monotonic()) > 0:
             self._room_changed.clear()
-            waits: list[asyncio.Future[object]] = [self._arrival]
+            waits: list[asyncio.Future[object]] = [
+                self._arrival, asyncio.ensure_future(self._stopped.wait())]
             if full:
                 waits.append(asyncio.ensure_future(self._room_changed.wait()))
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             for extra in waits[1:]:
                 extra.cancel()
-            if full and self._room().regular > 0:
+            if self._stopping or (full and self._room().regular > 0):
                 return
         if self._arrival.done():
             self._arrival.result()  # a Redis error is the caller's to handle
