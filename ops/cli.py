@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "worker":
         run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
                                  "kernels", "batch_invariant", "quantization",
-                                 "threads", "decode_threads", "max_running", "kv_cache_memory",
+                                 "threads", "decode_threads", "max_running", "queue_policy",
+                                 "kv_cache_memory",
                                  "page_size", "max_prefill_tokens", "worker_name",
                                  "metrics_port"))
     elif args.command == "inspect":

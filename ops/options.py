@@ -107,6 +107,9 @@ def worker_options(p: argparse.ArgumentParser) -> None:
                    "[env REDSERVE_DECODE_THREADS]")
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
+    p.add_argument("--queue-policy", choices=("fair", "fifo"), help="which queued request a "
+                   "worker with room takes: fair (lowest priority, then the least-served "
+                   "tenant; the default) or fifo (the oldest) [env REDSERVE_QUEUE_POLICY]")
     p.add_argument("--kv-cache-memory", type=float, help="KV page pool: bytes, or a fraction "
                    "(<= 1) of free device memory (default 1 GiB) [env REDSERVE_KV_CACHE_MEMORY]")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16) "

@@ -119,7 +119,7 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     flags = (("device", "--device"), ("dtype", "--dtype"), ("kernels", "--kernels"),
              ("quantization", "--quantization"), ("threads", "--threads"),
              ("decode_threads", "--decode-threads"),
-             ("max_running", "--max-running"),
+             ("max_running", "--max-running"), ("queue_policy", "--queue-policy"),
              ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
              ("max_prefill_tokens", "--max-prefill-tokens"))
     worker_flags = [f for name, flag in flags

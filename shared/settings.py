@@ -54,6 +54,21 @@ class Settings(BaseSettings):
     # Of those, the most one tenant (API key owner) may hold at once.
     max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
+    # Which queued request a worker with room takes (see worker/take.py): `fair` takes the
+    # lowest `priority` first, then the tenant that has been served the fewest tokens (divided
+    # by its weight, shared/tenants.py); `fifo` the oldest, whatever its tenant or priority.
+    queue_policy: Literal["fair", "fifo"] = "fair"
+    # A request queued this long is taken first (oldest first), ahead of priorities and
+    # tenants' shares: no request starves behind busier or more urgent ones.
+    starvation_after_s: float = Field(default=30.0, gt=0)
+    # A request placed on one worker (which holds its prompt's prefix) waits for it this long;
+    # then any worker takes it (the placed one is overloaded). One placed on a worker that is
+    # not live is anyone's at once.
+    placement_wait_s: float = Field(default=1.5, ge=0)
+    # With the `fair` policy, a worker may run this many requests beyond `max_running`, each of
+    # a tenant with nothing else on that worker: a light tenant's request starts at the next
+    # step even while a heavy tenant fills the batch, rather than when a slot frees.
+    fair_burst: int = Field(default=2, ge=0)
     # Entries kept in the request stream (approximate trim): far above any sane backlog.
     request_stream_maxlen: int = Field(default=100_000, ge=100)
 
@@ -86,7 +101,8 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(default=20.0, ge=0)
 
     # Worker.
-    worker_name: str | None = None
+    # Not starting with `~`: that names the queue's own consumer (shared/keys.py).
+    worker_name: str | None = Field(default=None, pattern=r"^[^~]")
     device: str = "auto"
     # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
     # or AMX), fp32 elsewhere (see worker/dtype.py).
@@ -124,6 +140,11 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(default=3, ge=1)
     # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def batch_limit(self) -> int:
+        """Requests a worker runs at once, at most: `max_running`, and the fair share's burst."""
+        return self.max_running + (self.fair_burst if self.queue_policy == "fair" else 0)
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -93,6 +93,9 @@ CASES = [
      "response_format"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
      404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "priority": 10**7}, 400, "priority"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "priority": "high"}, 400, "priority"),
 ]
 
 

@@ -30,7 +30,7 @@ from redis.cluster import RedisCluster
 from ops.embedded_redis import free_port
 from ops.inspector.keyspace import Found, classify
 from ops.inspector.snapshot import request_state
-from shared.keys import Keys, replica_of
+from shared.keys import QUEUED_CONSUMER, Keys, replica_of
 from tests.stack import Stack, eventually, inspect, inspect_json
 from tests.test_cluster import CLI as CLUSTER_CLI
 from tests.test_cluster import SERVER as CLUSTER_SERVER
@@ -164,8 +164,10 @@ def test_every_request_in_flight_with_its_state_worker_and_replica(
 def test_queue_depth_lag_pending_and_the_worker_row(busy: Busy) -> None:
     snap = inspect_json(busy.stack)
     [model] = snap["models"]
+    served = model.pop("served")
     assert model == {"name": MODEL, "queued": 1, "stream_length": 4, "lag": 1, "pending": 3,
                      "live_workers": [busy.worker]}
+    assert list(served) == ["anonymous"] and served["anonymous"] > 0
     [worker] = snap["workers"]
     assert worker["name"] == busy.worker and worker["model"] == MODEL
     # A live worker's heartbeat is younger than its TTL (else its key would be gone).
@@ -184,7 +186,8 @@ def test_limit_and_model_filter(busy: Busy) -> None:
     other = inspect_json(busy.stack, "--model", "no-such-model")
     assert other["requests"] == [] and other["workers"] == [] and other["in_flight"] == 0
     assert other["models"] == [{"name": "no-such-model", "queued": 0, "stream_length": 0,
-                                "lag": None, "pending": 0, "live_workers": []}]
+                                "lag": None, "pending": 0, "live_workers": [],
+                                "served": {}}]
     assert inspect_json(busy.stack, "--model", MODEL)["in_flight"] == 4
 
 
@@ -279,7 +282,9 @@ def _live(recipe: str, busy: Busy) -> list[str]:
 
 def _check(command: str, reply: Any, busy: Busy) -> None:
     """What the README says each command returns."""
-    if command == "HGETALL":  # the request's hash
+    if command == "HGETALL" and "state" not in reply:  # the model's service counters
+        assert float(reply["anonymous"]) > 0
+    elif command == "HGETALL":  # the request's hash
         assert reply["state"] == "running" and reply["model"] == MODEL
         assert reply["worker"] == busy.worker and reply["streaming"] == "1"
     elif command in ("XRANGE", "XREVRANGE"):  # result entries: kind=tokens, index, ids
@@ -290,10 +295,12 @@ def _check(command: str, reply: Any, busy: Busy) -> None:
     elif command == "ZCARD":  # the queue depth
         assert reply == 1
     elif command == "XINFO":  # the consumer group, with pending and lag
-        [group] = reply
-        assert (group["name"], group["pending"], group["lag"]) == ("workers", 3, 1)
+        [group] = reply  # the queued request is pending under the queue's consumer
+        assert (group["name"], group["pending"], group["lag"]) == ("workers", 4, 0)
     elif command == "XPENDING":  # count, first and last id, per consumer
-        assert reply[0] == 3 and reply[3] == [[busy.worker, "3"]]
+        assert reply[0] == 4
+        assert sorted(reply[3]) == sorted([[busy.worker, "3"], [QUEUED_CONSUMER, "1"]])
+
     elif command == "ZRANGE":  # live workers with their heartbeat expiry
         assert reply[0][0] == busy.worker and reply[0][1] > 0
     elif command == "GET":  # a worker's heartbeat, JSON
@@ -367,7 +374,7 @@ def test_inspect_sees_the_requests_of_every_cluster_node(
             assert eventually(lambda n=n: len(cluster.xrange(keys.requests(MODEL))) == n, 30)
         known = {f[b"id"].decode() for _, f in cluster.xrange(keys.requests(MODEL))}
         nodes = {n.name for n in cluster.get_primaries()}
-        # A worker releases a taken request's queue place in its next batch (within 0.5 s).
+        # A worker frees a request's queue place as it takes it.
         snaps: list[dict[str, Any]] = []
         assert eventually(lambda: snaps.append(inspect_json(stack, REDSERVE_REDIS_CLUSTER="true"))
                           or snaps[-1]["models"][0]["queued"] == 2, 30), snaps[-1:]

@@ -29,5 +29,6 @@ def test_a_models_keys_share_a_slot() -> None:
     keys = Keys("rs")
     for model in ("SmolLM2-135M-Instruct", "meta-llama/Llama-3.1-8B", "a"):
         slots = {key_slot(k.encode()) for k in (keys.requests(model), keys.queued(model),
-                                                  keys.workers(model))}
+                                                  keys.workers(model), keys.entries(model),
+                                                  keys.service(model))}
         assert len(slots) == 1

@@ -140,7 +140,8 @@ def test_500_mixed_requests_leave_nothing_behind(
         # Every key carries a TTL; those of the model, the worker and the replica's feed are
         # refreshed while they live.
         refreshed = (keys.worker("").encode(), keys.workers(MODEL).encode(), stream.encode(),
-                     keys.queued(MODEL).encode(), keys.aborts.encode())
+                     keys.queued(MODEL).encode(), keys.entries(MODEL).encode(),
+                     keys.service(MODEL).encode(), keys.aborts.encode())
 
         def request_keys() -> list[bytes]:
             return [k for k in sync_redis.scan_iter(match=f"{stack.prefix}:*", count=1000)

@@ -78,7 +78,7 @@ def build_engine(info: ModelInfo, settings: Settings) -> Engine:
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
     step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)
     config = EngineConfig(
-        max_running=settings.max_running,
+        max_running=settings.batch_limit,
         max_step_tokens=step_tokens,
         max_model_len=info.max_model_len,
         page_size=settings.page_size,
@@ -102,9 +102,9 @@ def _synthetic_engine(info: ModelInfo, settings: Settings, step_s: float) -> Eng
     torch.set_num_threads(1)
     vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
     runner = SyntheticRunner(vocab, step_s)
-    tokens = settings.max_running * info.max_model_len
+    tokens = settings.batch_limit * info.max_model_len
     pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
-    config = EngineConfig(max_running=settings.max_running, max_step_tokens=1 << 20,
+    config = EngineConfig(max_running=settings.batch_limit, max_step_tokens=1 << 20,
                           max_model_len=info.max_model_len, page_size=settings.page_size,
                           prefix_caching=False)
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)

@@ -127,6 +127,9 @@ class Engine:
         """Safe to call while a step runs on its thread (see `Scheduler.request_ids`)."""
         return self.scheduler.request_ids()
 
+    def tenants(self) -> list[str]:
+        return self.scheduler.tenants()
+
     def find(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
 

@@ -22,7 +22,7 @@ SCAN_COUNT = 1000
 @dataclass(frozen=True)
 class Found:
     request_ids: frozenset[str]  # every request with a hash, finished or not
-    models: frozenset[str]  # every model with a request stream, queue or live set
+    models: frozenset[str]  # every model with a stream, queue, live set or service counters
     workers: frozenset[str]  # every worker with a heartbeat
     # (model, tenant) of every rate-limit bucket (tenants that used a limit this minute)
     limits: frozenset[tuple[str, str]] = field(default_factory=frozenset)
@@ -35,7 +35,8 @@ def _shape(builder_output: str) -> tuple[str, str]:
 
 
 def classify(keys: Keys, names: list[str]) -> Found:
-    model_shapes = [_shape(build("\0")) for build in (keys.requests, keys.queued, keys.workers)]
+    model_shapes = [_shape(build("\0")) for build in (keys.requests, keys.queued, keys.workers,
+                                                      keys.entries, keys.service)]
     worker_head = keys.worker("")
     limits_head, limits_mid = _shape(keys.limits("\0", ""))  # `<model>`, then the tenant
     requests, models, workers, limits = set(), set(), set(), set()

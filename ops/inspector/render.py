@@ -31,6 +31,8 @@ def tables(snapshot: Snapshot) -> RenderableType:
                                    _workers(snapshot)]
     if snapshot.limits:
         parts.append(_limits(snapshot.limits))
+    if any(m.served for m in snapshot.models):
+        parts.append(_tenants(snapshot))
     if snapshot.unreadable:
         parts.append(_unreadable(snapshot.unreadable))
     return Group(*parts)
@@ -72,6 +74,18 @@ def _models(s: Snapshot) -> Table:
                       str(m.pending),
                       Text(", ".join(m.live_workers)) if m.live_workers
                       else Text("none", style="red"))
+    return table
+
+
+def _tenants(s: Snapshot) -> Table:
+    """The fair share's service counters: tokens served per tenant over its weight."""
+    table = Table(title="tenants (tokens served / weight)", title_justify="left")
+    table.add_column("model", no_wrap=True)
+    table.add_column("tenant", no_wrap=True)
+    table.add_column("served", justify="right", no_wrap=True)
+    for m in s.models:
+        for tenant, served in m.served.items():
+            table.add_row(Text(m.name), Text(tenant), f"{served:,.0f}")
     return table
 
 

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ops.inspector.keyspace import text, walk
-from shared.keys import QUEUE_STALE_MARGIN_S, WORKER_GROUP, Keys, replica_of
+from shared.keys import QUEUE_STALE_MARGIN_S, QUEUED_CONSUMER, WORKER_GROUP, Keys, replica_of
 from shared.messages import (
     Bucket,
     BucketField,
@@ -34,6 +34,7 @@ from shared.messages import (
     RequestField,
     RequestHash,
     RequestState,
+    ServiceCounters,
     Tokens,
     decode_result,
 )
@@ -64,9 +65,14 @@ class ModelView:
     name: str
     queued: int  # places taken in the bounded queue (its queued set, stale members left out)
     stream_length: int  # entries in the request stream: requests not finished yet
-    lag: int | None  # entries no worker has read yet (XINFO GROUPS; None: Redis cannot tell)
-    pending: int  # entries read by a worker and not yet acknowledged
+    # Entries no worker has taken yet: waiting in the queue (pending under the queue's own
+    # consumer, see shared/keys.py) or not read at all (None: Redis cannot tell).
+    lag: int | None
+    pending: int  # entries a worker has taken and not yet acknowledged
     live_workers: tuple[str, ...]  # heartbeat current and not draining
+    # Per tenant, the tokens it has been served, divided by its weight: the fair share's
+    # service counters (shared/messages/queue.py), least served first.
+    served: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -272,17 +278,24 @@ async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_sin
         pipe.xlen(keys.requests(name))
         pipe.xinfo_groups(keys.requests(name))
         pipe.zrangebyscore(keys.workers(name), now, "+inf")
+        pipe.xinfo_consumers(keys.requests(name), WORKER_GROUP)
+        pipe.hgetall(keys.service(name))
 
     views = []
-    for name, (queued, length, groups, live) in zip(
-            names, await _batched(redis, names, 4, stage), strict=True):
+    for name, (queued, length, groups, live, consumers, served) in zip(
+            names, await _batched(redis, names, 6, stage), strict=True):
         # No stream yet (or it expired with its last worker): no groups.
         group = next((g for g in groups or [] if text(g["name"]) == WORKER_GROUP), None)
+        waiting = sum(int(c["pending"]) for c in consumers or []
+                      if text(c["name"]) == QUEUED_CONSUMER)
+        counters = ServiceCounters.decode(served or {}).by_tenant
         views.append(ModelView(
             name=name, queued=int(queued or 0), stream_length=int(length or 0),
-            lag=None if group is None or group.get("lag") is None else int(group["lag"]),
-            pending=0 if group is None else int(group["pending"]),
-            live_workers=tuple(sorted(text(n) for n in live or []))))
+            lag=None if group is None or group.get("lag") is None
+            else int(group["lag"]) + waiting,
+            pending=0 if group is None else int(group["pending"]) - waiting,
+            live_workers=tuple(sorted(text(n) for n in live or [])),
+            served=dict(sorted(counters.items(), key=lambda kv: kv[1]))))
     return views
 
 
