@@ -108,4 +108,3 @@ class AppContext:
     policies: TenantPolicies  # each tenant's rate limits and weight (shared/tenants.py)
     limits: RateLimits
     live: Live = field(default_factory=Live)
-    tenants: TenantPolicies = field(default_factory=TenantPolicies)  # see api/app.py
