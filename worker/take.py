@@ -20,12 +20,16 @@ The `fifo` policy takes the oldest. Each take charges the tenant its prompt toke
 its weight; output tokens are charged by the worker's `Tally`, sent with its next take (or
 heartbeat): no command per token.
 
+A fair order alone still leaves a light tenant waiting for a slot of a batch a heavy tenant
+fills. So beyond its room a worker may take a `burst` (`fair_burst`) of requests, each of a
+tenant holding less than an equal share of its batch (among the tenants with requests on it or
+queued for it): the light tenant starts at the next step; a heavy one never gets the burst.
+
 Entries admission did not queue (added to the stream by hand, or while the group was gone) are
 taken first, as they come (today's FIFO). Then entries with no member left (cancelled while
 queued: the API removes the member; trimmed past the queue timeout), ahead of the rest: the
 worker ends each at once (abort or queue timeout), so every request still ends with one
-terminal entry and leaves its stream.
-The reply also says where the stream ends (the worker blocks on XREAD from there, so no entry
+terminal entry and leaves its stream. The reply also says where the stream ends (the worker blocks on XREAD from there, so no entry
 added after the take is missed) and how soon a member placed on another worker becomes anyone's.
 """
 
