@@ -71,7 +71,7 @@ class Queue:
         return Taker(self.r, self.keys, MODEL, name, _policy(**policy))  # type: ignore[arg-type]
 
     async def take(self, taker: Taker, room: int | Room) -> list[str]:
-        taken = await taker.take(room if isinstance(room, Room) else Room(room))
+        taken = await taker.take(room if isinstance(room, Room) else Room(room), charge=True)
         return [GenerateRequest.from_fields(f).id for _, f in taken.entries]
 
 
@@ -284,7 +284,7 @@ async def _admit(stack: Stack, *requests: GenerateRequest) -> None:
 
 def _long(tenant: str, **fields: object) -> GenerateRequest:
     req = _request(tenant, **fields)  # type: ignore[arg-type]
-    return req.model_copy(update={"params": SamplingParams(max_tokens=80, ignore_eos=True)})
+    return req.model_copy(update={"params": SamplingParams(max_tokens=200, ignore_eos=True)})
 
 
 def test_a_worker_takes_the_light_tenant_before_the_heavy_backlog(
@@ -300,13 +300,12 @@ def test_a_worker_takes_the_light_tenant_before_the_heavy_backlog(
     assert eventually(lambda: all(_ended(sync_redis, keys, q.id) for q in everyone), 30), \
         one_slot.output()
     started = sorted(everyone, key=lambda q: _entry_order(sync_redis, keys, q.id))
-    # The first light request runs beside the blocker (the burst: light had nothing on the
-    # worker); the second before the heavy backlog (heavy's service grew with the blocker's
-    # tokens); then the backlog, oldest first.
+    # The light requests run beside the blocker, one after the other (the burst: light holds
+    # less than its share of the batch, heavy its whole); then the backlog, oldest first.
     assert [q.id for q in started] == [blocker.id, *(q.id for q in light),
                                         *(q.id for q in backlog)]
     [(blocker_end, _)] = sync_redis.xrevrange(keys.out(blocker.id), count=1)
-    assert _entry_order(sync_redis, keys, light[0].id) < _order(blocker_end.decode())
+    assert _entry_order(sync_redis, keys, light[1].id) < _order(blocker_end.decode())
 
 
 def _entry_order(r: redis.Redis, keys: Keys, request_id: str) -> tuple[int, int]:

@@ -17,16 +17,23 @@ live (not in the model's live set: dead or draining); and any that waited `place
 3. the tenant with the least service (the Virtual Token Counter, shared/messages/queue.py);
 4. the oldest.
 The `fifo` policy takes the oldest. Each take charges the tenant its prompt tokens divided by
-its weight; output tokens are charged by the worker's `Tally`, sent with its next take (or
-heartbeat): no command per token.
+its weight; output tokens are charged by the worker's `Tally`, sent with a take at most every
+`CHARGE_EVERY_S` (and with each heartbeat): no command per token. The script's writes are
+batched: one XCLAIM, one ZREM, one HDEL and one HINCRBYFLOAT per tenant a take, however many
+requests it takes (the commands inside scripts count in ops/benchmarks/redis_cost.py).
 
-Entries admission did not queue (added to the stream by hand, or while the group was gone) are
-taken first, as they come (today's FIFO). Then entries with no member left (cancelled while
-queued: the API removes the member; trimmed past the queue timeout), ahead of the rest: the
-worker ends each at once (abort or queue timeout), so every request still ends with one
-terminal entry and leaves its stream.
-The reply also says where the stream ends (the worker blocks on XREAD from there, so no entry
-added after the take is missed) and how soon a member placed on another worker becomes anyone's.
+A fair order alone still leaves a light tenant waiting for a slot of a batch a heavy tenant
+fills. So beyond its room a worker may take a `burst` (`fair_burst`) of requests, each of a
+tenant holding less than an equal share of its batch (among the tenants with requests on it or
+queued for it): the light tenant starts at the next step; a heavy one never gets the burst.
+
+Entries with no member left (cancelled while queued: the API removes the member; trimmed past
+the queue timeout) are taken ahead of the rest: the worker ends each at once (abort or queue
+timeout), so every request still ends with one terminal entry and leaves its stream. Entries
+admission did not queue (added to the stream by hand) are taken as they come when nothing is
+queued. The reply also says where the stream ends (the worker blocks on XREAD from there, so no
+entry added after the take is missed) and how soon a member placed on another worker becomes
+anyone's.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ from shared.messages import MEMBER_LUA
 from shared.redis_conn import StreamEntries
 from shared.settings import Settings
 
+# Output tokens are charged to the service counters with a take at most this often (and with
+# every heartbeat): a few commands a second at most, however many requests are taken.
+CHARGE_EVERY_S = 0.25
+
 # KEYS: queued set, entries hash, request stream, live workers, service counters.
 # ARGV: now, stale before, worker, room, fair (1|0), placement wait, starving before,
 #       service TTL, group, queue consumer, burst, batch slots, N, then N (tenant, requests
@@ -53,26 +64,31 @@ local fair, wait, starving = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7]
 local group, queued, burst, slots = ARGV[9], ARGV[10], tonumber(ARGV[11]), tonumber(ARGV[12])
 local held, charges = {}, 14 + 2 * tonumber(ARGV[13])
 for i = 14, charges - 1, 2 do held[ARGV[i]] = tonumber(ARGV[i + 1]) end
--- Entries admission did not queue (added by hand, or while the group was gone) are taken
--- first, as they come; no group (it expired with its stream): NOGROUP before anything is
--- written, and the worker makes it anew.
-local entries = {}
-if room > 0 then
+-- tenant -> weighted tokens to add to its service counter: its output tokens so far (the
+-- worker's tally), then the prompts taken here.
+local owed, charged = {}, {}
+for i = charges, #ARGV, 2 do
+  owed[ARGV[i]] = tonumber(ARGV[i + 1])
+  charged[ARGV[i]] = owed[ARGV[i]]
+end
+-- Reads and the claim first, writes after: a missing group (NOGROUP, the worker makes it
+-- anew) stops the script before it has changed anything.
+local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+-- taken: request ids to claim; gone: their members; fields: the entries hash's to delete.
+local entries, taken, gone, fields, present = {}, {}, {}, {}, {}
+if room > 0 and #members == 0 then
+  -- Entries admission did not queue (added by hand) are taken as they come, when nothing is
+  -- queued.
   local fresh = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', room,
                            'STREAMS', KEYS[3], '>')
   for _, e in ipairs(fresh and fresh[1][2] or {}) do
     table.insert(entries, e)
-    if e[2][1] == 'id' then redis.call('HDEL', KEYS[2], e[2][2]) end
+    if e[2][1] == 'id' then present[e[2][2]] = true; table.insert(fields, e[2][2]) end
   end
+  room = room - #entries
 end
-for i = charges, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[5], ARGV[i], ARGV[i + 1]) end
-if #ARGV >= charges then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
-room = room - #entries
-if room <= 0 and burst <= 0 then return {entries, '', -1, 0} end
 
-local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-local present, candidates, live = {}, {}, {}
-local stale, listed, retry = false, 0, -1
+local candidates, live, stale, listed, retry = {}, {}, false, 0, -1
 for i = 1, #members, 2 do
   local m, at = parse_member(members[i]), tonumber(members[i + 1])
   if not m or at <= tonumber(ARGV[2]) then
@@ -96,21 +112,19 @@ for i = 1, #members, 2 do
     if mine then table.insert(candidates, m) end
   end
 end
-if stale then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2]) end
 
-local taken, gone = {}, {}
 -- Entries whose member is gone (cancelled, or past the queue timeout): ended at once.
-if redis.call('HLEN', KEYS[2]) > listed then
-  local fields = redis.call('HGETALL', KEYS[2])
-  for i = 1, #fields, 2 do
-    if #taken < room and not present[fields[i]] then table.insert(taken, fields[i]) end
+if room > 0 and redis.call('HLEN', KEYS[2]) > listed then
+  local queue = redis.call('HGETALL', KEYS[2])
+  for i = 1, #queue, 2 do
+    if #taken < room and not present[queue[i]] then table.insert(taken, queue[i]) end
   end
 end
 
 local served = {}
 local function service(tenant)
   if served[tenant] == nil then
-    served[tenant] = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
+    served[tenant] = tonumber(redis.call('HGET', KEYS[5], tenant) or '0') + (owed[tenant] or 0)
   end
   return served[tenant]
 end
@@ -145,28 +159,35 @@ local function next_one(under_share)
   table.insert(gone, m.member)
   held[m.tenant] = (held[m.tenant] or 0) + 1
   local charge = m.tokens / m.weight
-  served[m.tenant] = service(m.tenant) + charge
-  redis.call('HINCRBYFLOAT', KEYS[5], m.tenant, tostring(charge))
+  if fair then served[m.tenant] = service(m.tenant) + charge end
+  charged[m.tenant] = (charged[m.tenant] or 0) + charge
   return true
 end
 while #taken < room and next_one(false) do end
 -- The burst (fair share): beyond the room, for tenants holding less than their share.
 local extra = 0
 while extra < burst and next_one(true) do extra = extra + 1 end
-if #gone > 0 then
-  redis.call('ZREM', KEYS[1], unpack(gone))
-  redis.call('EXPIRE', KEYS[5], ARGV[8])
-end
 
-for _, id in ipairs(taken) do
-  local entry_id = redis.call('HGET', KEYS[2], id)
-  redis.call('HDEL', KEYS[2], id)
-  if entry_id then
-    for _, e in ipairs(redis.call('XCLAIM', KEYS[3], group, me, 0, entry_id,
-                                  'RETRYCOUNT', 1)) do
-      table.insert(entries, e)
-    end
+if #taken > 0 then
+  local claim = {'XCLAIM', KEYS[3], group, me, 0}
+  for _, entry_id in ipairs(redis.call('HMGET', KEYS[2], unpack(taken))) do
+    if entry_id then table.insert(claim, entry_id) end
   end
+  if #claim > 5 then
+    table.insert(claim, 'RETRYCOUNT')
+    table.insert(claim, 1)
+    for _, e in ipairs(redis.call(unpack(claim))) do table.insert(entries, e) end
+  end
+  for _, id in ipairs(taken) do table.insert(fields, id) end
+end
+if #fields > 0 then redis.call('HDEL', KEYS[2], unpack(fields)) end
+if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
+if stale then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2]) end
+if next(charged) then
+  for tenant, tokens in pairs(charged) do
+    redis.call('HINCRBYFLOAT', KEYS[5], tenant, tostring(tokens))
+  end
+  redis.call('EXPIRE', KEYS[5], ARGV[8])
 end
 local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
 return {entries, newest and newest[1] or '0-0', retry, #candidates}
@@ -245,12 +266,15 @@ class Taker:
         self.name = name
         self.policy = policy
         self.tally = Tally()
+        self._charged_at = 0.0
 
-    async def take(self, room: Room) -> Taken:
-        """Queued requests up to `room`, now pending under this worker's name (with no room:
-        only charge the tally)."""
+    async def take(self, room: Room, *, charge: bool = False) -> Taken:
+        """Queued requests up to `room`, now pending under this worker's name. The tally
+        goes with it at most every `CHARGE_EVERY_S`, or with `charge`."""
         p, now = self.policy, time.time()
-        owed = self.tally.drain()
+        owed: dict[str, float] = {}
+        if charge or now - self._charged_at >= CHARGE_EVERY_S:
+            owed, self._charged_at = self.tally.drain(), now
         charges: list[str | float] = []
         for tenant, tokens in owed.items():
             charges += [tenant, repr(tokens)]
@@ -270,7 +294,7 @@ class Taker:
 
     async def charge(self) -> None:
         """Send the tally now (the heartbeat: a full or idle worker takes nothing)."""
-        await self.take(Room(0))
+        await self.take(Room(0), charge=True)
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
