@@ -28,6 +28,9 @@ MAX_LOGIT_BIAS = 1024
 MAX_NAME_CHARS = 256  # model, user, message name
 TOKEN_ID_DIGITS = 10
 INT64 = 2**63
+# vLLM's `priority` (lower runs first): any whole number in +-this (carried in the queue's
+# member, see shared/messages/queue.py).
+MAX_PRIORITY = 1_000_000
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
 MAX_GUIDED_CHOICES = 1024

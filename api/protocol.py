@@ -28,6 +28,7 @@ from api.fields import (
     MAX_MESSAGES,
     MAX_METADATA,
     MAX_N,
+    MAX_PRIORITY,
     MAX_STOP_TOKEN_IDS,
     MAX_STOPS,
     MAX_TOOLS,
@@ -124,6 +125,8 @@ class _Common(StrictModel):
     response_format: ResponseFormat | None = None
     # vLLM's extensions.
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    # Lower is taken from the queue first (worker/take.py), as vLLM's priority scheduling.
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # what the fast tokenizers do anyway
     structured_outputs: StructuredOutputs | None = None

@@ -115,6 +115,8 @@ async def generate(
                 tenant=tenant,
                 trace_id=_trace_id(request.headers.get("x-trace-id", "")),
                 grammar=constraint,
+                priority=body.priority,
+                weight=ctx.policies.of(tenant).weight,
             ))
     if ctx.settings.log_request_text:  # asked for (as vLLM's --enable-log-requests)
         text = ({"messages": [m.model_dump(exclude_none=True) for m in body.messages]}

@@ -10,6 +10,8 @@ OpenAI's are).
 
     {prefix}:model:{<model>}:requests      stream of unfinished requests, group `workers` (TTL)
     {prefix}:model:{<model>}:queued        sorted set of requests no worker took yet (TTL)
+    {prefix}:model:{<model>}:entries       hash: queued request id -> its stream entry (TTL)
+    {prefix}:model:{<model>}:service       hash: tenant -> weighted tokens served (TTL)
     {prefix}:model:{<model>}:workers       sorted set: live workers by heartbeat expiry (TTL)
     {prefix}:model:{<model>}:limits:<tenant>  hash: `messages.BucketField` (rate limits) (TTL)
     {prefix}:{<replica>}:<id>              hash: `messages.RequestField`      (TTL)
@@ -20,10 +22,14 @@ OpenAI's are).
     {prefix}:aborts                        stream announcing abort keys as they are set (TTL)
     {prefix}:worker:<name>                 heartbeat: `messages.Heartbeat`    (TTL)
 
-What each key holds is typed in `shared.messages`: the stream entries, the request hash's
-fields (`RequestField`, read and written through `RequestHash`), the heartbeat's body
-(`Heartbeat`) and the rate-limit bucket's fields (`BucketField`); nothing else spells a field's
-name.
+A request waiting in the queue is pending in the group under the consumer `QUEUED_CONSUMER`
+(the admission script delivers it there at once), so a worker takes the one it chooses with
+XCLAIM (worker/take.py) rather than the next in the stream; recovery never claims from that
+consumer. What each key holds is typed in `shared.messages`: the stream entries, the request hash's
+fields (`RequestField`, read and written through `RequestHash`) and the heartbeat's body
+(`Heartbeat`), the rate-limit bucket's fields (`BucketField`) and the queue's
+member and service counters (`QueueMember`, `ServiceCounters`); nothing else spells a
+field's name.
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as
@@ -39,6 +45,9 @@ import secrets
 from dataclasses import dataclass
 
 WORKER_GROUP = "workers"
+# The consumer of the group that holds queued requests until a worker takes one (no worker
+# name starts with `~`: see `Settings.worker_name`).
+QUEUED_CONSUMER = "~queued"
 # A queued-set member older than the queue timeout plus this is stale (its request can no
 # longer be taken): admission trims it, and every queue-depth figure leaves it out.
 QUEUE_STALE_MARGIN_S = 5.0
@@ -87,6 +96,11 @@ class Keys:
     def limits(self, model: str, tenant: str) -> str:
         """A tenant's rate-limit bucket for the model (`shared.messages.limits`)."""
         return f"{self._model(model)}:limits:{tenant}"
+    def entries(self, model: str) -> str:
+        return f"{self._model(model)}:entries"
+
+    def service(self, model: str) -> str:
+        return f"{self._model(model)}:service"
 
     @property
     def aborts(self) -> str:

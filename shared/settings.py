@@ -54,6 +54,17 @@ class Settings(BaseSettings):
     # Of those, the most one tenant (API key owner) may hold at once.
     max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
+    # Which queued request a worker with room takes (see worker/take.py): `fair` takes the
+    # lowest `priority` first, then the tenant that has been served the fewest tokens (divided
+    # by its weight, shared/tenants.py); `fifo` the oldest, whatever its tenant or priority.
+    queue_policy: Literal["fair", "fifo"] = "fair"
+    # A request queued this long is taken first (oldest first), ahead of priorities and
+    # tenants' shares: no request starves behind busier or more urgent ones.
+    starvation_after_s: float = Field(default=30.0, gt=0)
+    # A request placed on one worker (which holds its prompt's prefix) waits for it this long;
+    # then any worker takes it (the placed one is overloaded). One placed on a worker that is
+    # not live is anyone's at once.
+    placement_wait_s: float = Field(default=1.5, ge=0)
     # Entries kept in the request stream (approximate trim): far above any sane backlog.
     request_stream_maxlen: int = Field(default=100_000, ge=100)
 
@@ -86,7 +97,8 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(default=20.0, ge=0)
 
     # Worker.
-    worker_name: str | None = None
+    # Not starting with `~`: that names the queue's own consumer (shared/keys.py).
+    worker_name: str | None = Field(default=None, pattern=r"^[^~]")
     device: str = "auto"
     # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
     # or AMX), fp32 elsewhere (see worker/dtype.py).

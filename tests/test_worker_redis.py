@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from ops.embedded_redis import EmbeddedRedis
 from shared.aborts import stage_aborts
-from shared.keys import WORKER_GROUP, Keys
+from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import Error, GenerateRequest, SamplingParams, Tokens, decode_result
 from shared.redis_conn import connect
 from shared.settings import Settings
@@ -91,16 +91,13 @@ def test_terminal_entries_survive_an_outage_and_are_written_once() -> None:
         server.stop()
 
 
-def test_a_taken_request_frees_its_queue_place_in_the_next_flush(
+def test_an_ended_request_is_acknowledged_with_the_next_batch(
     sync_redis: redis.Redis, redis_url: str
 ) -> None:
-    """The API's bounded queue counts the queued set: a place still held by a request that
-    already runs would refuse a request while the queue has room. The acknowledgement may
-    wait for the batch; the release may not."""
+    """The acknowledgement may wait for the batch (the take freed the queue place already:
+    tests/test_fairness.py)."""
     keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
     requests = [_request(i) for i in range(3)]
-    queued = keys.queued(MODEL)
-    sync_redis.zadd(queued, {q.queue_member: q.created for q in requests})
     entry_ids = _enqueue(sync_redis, keys, requests, "w1")
 
     async def run() -> None:
@@ -111,15 +108,16 @@ def test_a_taken_request_frees_its_queue_place_in_the_next_flush(
             publisher.take(req, eid)
         publisher.stage([StepOutput(requests[0].id, 0, 42, "length", 3, 1)])
         await publisher.flush()
-        assert sync_redis.zrange(queued, 0, -1) == [requests[2].queue_member.encode()]
-        # The ended request's entry is acknowledged with the next batch, not in this flush.
         assert sync_redis.xpending(keys.requests(MODEL), WORKER_GROUP)["pending"] == 3
+        await publisher.flush(batch_now=True)
+        assert sync_redis.xpending(keys.requests(MODEL), WORKER_GROUP)["pending"] == 2
         await clients.close()
 
     try:
         asyncio.run(run())
     finally:
-        sync_redis.delete(queued, keys.requests(MODEL))
+        sync_redis.delete(keys.requests(MODEL), keys.out(requests[0].id),
+                          keys.state(requests[0].id))
 
 
 def test_the_claim_walks_the_pending_list_with_its_cursor(
@@ -127,8 +125,14 @@ def test_the_claim_walks_the_pending_list_with_its_cursor(
 ) -> None:
     keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
     stream = keys.requests(MODEL)
-    # 40 requests of a live worker (fresh), then one of a dead worker (idle long ago).
+    # 40 requests of a live worker (fresh), 150 waiting in the queue for a minute (more than
+    # a page of the pending list, never claimed), then one of a dead worker (idle long ago).
     live = _enqueue(sync_redis, keys, [_request(i) for i in range(40)], "live")
+    queued = [sync_redis.xadd(stream, _request(i).to_fields()).decode()  # type: ignore[arg-type]
+              for i in range(100, 250)]
+    sync_redis.xreadgroup(WORKER_GROUP, QUEUED_CONSUMER, {stream: ">"})
+    sync_redis.xclaim(stream, WORKER_GROUP, QUEUED_CONSUMER, 0, queued,  # type: ignore[arg-type]
+                      idle=60_000, justid=True)
     [orphan] = [sync_redis.xadd(stream, _request(99).to_fields()).decode()]  # type: ignore[arg-type]
     sync_redis.xreadgroup(WORKER_GROUP, "dead", {stream: ">"})
     sync_redis.xclaim(stream, WORKER_GROUP, "dead", 0, [orphan], idle=60_000, justid=True)
@@ -143,10 +147,12 @@ def test_the_claim_walks_the_pending_list_with_its_cursor(
     try:
         found = asyncio.run(claims())
         # Each call scans on from where the last stopped: the orphan behind 40 live entries
-        # is reached, and claimed once.
+        # and 150 queued ones is reached, and claimed once; queued entries are not abandoned.
         assert [ids for ids in found if ids] == [[orphan]]
         assert {p["message_id"].decode() for p in sync_redis.xpending_range(
             stream, WORKER_GROUP, "-", "+", 100, consumername="live")} == set(live)
+        assert len(sync_redis.xpending_range(stream, WORKER_GROUP, "-", "+", 1000,
+                                             consumername=QUEUED_CONSUMER)) == 150
     finally:
         sync_redis.delete(stream)
 

@@ -1,15 +1,19 @@
-"""Taking requests off the model's stream, in the background, only as far as there is room.
+"""Taking requests off the model's queue, in the background, only as far as there is room.
 
-A blocking XREADGROUP runs whenever the worker has room, beside the steps rather than between
-them: a request that arrives mid-step is read as it arrives (one command per arrival, not one
-per step) and admitted at the next step boundary. Requests claimed from dead workers (see
+Whenever the worker has room, the take script (worker/take.py) hands it the queued requests it
+should run next (fair share, priority, placement), up to that room, in one command. With room
+left and nothing more for it, the intake blocks on XREAD from where the stream ended at that
+take, so a request that arrives even a moment after it wakes the worker at once (and one placed
+on another worker is looked at again when it becomes anyone's). All of this runs beside the
+steps rather than between them: a request that arrives mid-step is taken as it arrives and
+admitted at the next step boundary. Requests claimed from dead workers (see
 worker/recovery.py) join the same queue. Each batch's abort keys are read once, before the
 batch is offered (where an announcement could have been missed, see `offer`), so a request
 cancelled while it was queued never starts.
 
-The read is never cancelled halfway (a cancelled XREADGROUP may still have delivered entries
-that nobody would then hold): `stop` lets the current read finish (at most one block) and its
-entries stay queued here for the drain to hand back.
+Nothing read is ever dropped: a take is one script (never cancelled halfway; what it claimed is
+offered), and `stop` lets the current wait finish (at most one block): every entry taken stays
+queued here for the drain to hand back.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from redis.exceptions import ResponseError
 
 from shared.keys import WORKER_GROUP
 from shared.messages import GenerateRequest
-from shared.redis_conn import RedisClients, stream_reply
+from shared.redis_conn import RedisClients, StreamEntries
 from shared.retry import RedisBackoff
 from worker.aborts import LOOKBACK_MS, AbortWatch
 from worker.recovery import Claimed
+from worker.take import Taken, Taker
 
 log = logging.getLogger("redserve.worker")
 
@@ -37,8 +42,9 @@ BLOCK_MS = 1000
 
 class Intake:
     def __init__(self, clients: RedisClients, stream: str, name: str, aborts: AbortWatch,
-                 room: Callable[[], int], request_ttl_s: int) -> None:
+                 room: Callable[[], int], request_ttl_s: int, taker: Taker) -> None:
         self.clients = clients
+        self.taker = taker
         self.stream = stream
         self.name = name
         self.aborts = aborts
@@ -111,8 +117,11 @@ class Intake:
                     pass
                 continue
             try:
-                await self.offer(await self._read(room))
+                taken = await self.taker.take(room)
+                await self.offer(await self._requests(taken.entries))
                 backoff.reset()
+                if len(taken.entries) < room:  # nothing more for this worker yet
+                    await self._wait(taken)
             except aioredis.RedisError as e:
                 if "NOGROUP" in str(e):
                     log.warning("the request stream or its group is gone (expired, or Redis "
@@ -122,12 +131,18 @@ class Intake:
                         continue
                 await backoff.wait(e)
 
-    async def _read(self, room: int) -> list[Claimed]:
-        response = await self.clients.blocking.xreadgroup(
-            WORKER_GROUP, self.name, {self.stream: ">"}, count=room, block=BLOCK_MS)
-        replies = stream_reply(response)
+    async def _wait(self, taken: Taken) -> None:
+        """Until an entry is added after the take (or a placed one becomes anyone's)."""
+        block = BLOCK_MS if taken.retry_ms < 0 else max(min(taken.retry_ms, BLOCK_MS), 1)
+        if taken.last_id:
+            await self.clients.blocking.xread({self.stream: taken.last_id}, count=1,
+                                              block=block)
+        else:
+            await asyncio.sleep(block / 1000)
+
+    async def _requests(self, entries: StreamEntries) -> list[Claimed]:
         claimed: list[Claimed] = []
-        for entry_id, fields in replies[0][1] if replies else []:
+        for entry_id, fields in entries:
             eid = entry_id.decode()
             try:
                 claimed.append(Claimed(eid, GenerateRequest.from_fields(fields), (), False, 1))

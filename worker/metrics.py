@@ -101,6 +101,10 @@ class WorkerMetrics:
         self.cached_tokens = Counter("redserve_worker_cached_prompt_tokens_total",
                                      "Prompt tokens of requests admitted that came from the "
                                      "prefix cache", registry=r)
+        self._tenant_tokens = Counter(
+            "redserve_worker_tenant_tokens_total", "Tokens served per tenant: prompt tokens "
+            "of the requests taken from the queue, completion tokens generated",
+            ["model", "tenant", "kind"], registry=r)
         self._prompt_total = 0
         self._cached_total = 0
         self.steps = Counter("redserve_worker_steps_total", "Forward steps run", registry=r)
@@ -130,6 +134,9 @@ class WorkerMetrics:
             "redserve_worker_request_duration_seconds", "Created to the terminal entry "
             "written to Redis", ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(model)
         self._clocks: dict[str, Clock] = {}
+
+    def served(self, tenant: str, kind: str, tokens: int) -> None:
+        self._tenant_tokens.labels(self.model, tenant, kind).inc(tokens)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

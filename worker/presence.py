@@ -6,7 +6,9 @@ Every `heartbeat_ttl_s / 3` seconds, in one place:
 - its model's request stream TTL (the stream lives while a worker serves it);
 - the idle time of every entry it holds (see worker/recovery.py), and, unless draining, a claim
   of entries abandoned by dead workers;
-- the abort keys of every request it holds, which catches any announcement it missed.
+- the abort keys of every request it holds, which catches any announcement it missed;
+- the tokens it generated per tenant since its last take, charged to their service counters
+  (worker/take.py), so an idle or full worker's tally is not held back.
 Each part fails on its own (logged), so a Redis hiccup never stops the beat.
 
 The status key's body is what an operator sees of the worker (`/health`, `redserve inspect`):
@@ -65,6 +67,7 @@ class Presence:
                 await self._part("claim abandoned requests", self._claim)
             await self._part("check abort keys",
                              lambda: self.aborts.check(self.redis, self.held()))
+            await self._part("charge tenants' service", lambda: self.intake.taker.take(0))
             await asyncio.sleep(self.ttl_s / 3)
 
     async def _claim(self) -> None:

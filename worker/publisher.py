@@ -5,9 +5,8 @@ Staged per step, sent by `flush`:
 - each request's new tokens (one XADD each; the first also sets its stream's TTL);
 - ended requests: one entry carrying the last tokens and the finish (or an error), and the
   short TTL of a finished request on its stream and hash;
-- requests admitted (their state), and one ZREM freeing the queue places of the requests
-  taken since the last flush: the API's bounded queue counts those places, so a late release
-  would refuse requests while the queue has room;
+- requests admitted (their state; their queue places were freed by the take itself, see
+  worker/take.py);
 - then, per API replica, one feed entry with the new result entries of its requests (see
   shared/keys.py): its reader reads the whole step in one command;
 - at most every `BATCH_S` (at once when idle): one XACK and one XDEL of every entry ended
@@ -17,8 +16,8 @@ Staged per step, sent by `flush`:
 - requests handed back on drain.
 About one command per generated token: that is the budget (see ops/benchmarks/redis_cost.py).
 
-A flush that fails (Redis went away) keeps what must not be lost: the terminal entries, acks,
-queue releases and hand-backs go to an outbox that every later flush retries first, until it
+A flush that fails (Redis went away) keeps what must not be lost: the terminal entries, acks
+and hand-backs go to an outbox that every later flush retries first, until it
 is written or the request's keys would have expired anyway. A retried terminal entry is added
 only if its stream does not end with one already (a pipeline may have been applied in part),
 so every result stream still ends with exactly one. A request's pending entry stays in
@@ -98,19 +97,16 @@ class Staged:
     running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
     endings: list[Ending] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # request-stream entry ids
-    taken: list[str] = field(default_factory=list)  # queued-set members to release
     hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
 
     def __bool__(self) -> bool:
-        return any((self.tokens, self.running, self.endings, self.acks, self.taken,
-                    self.hand_backs))
+        return any((self.tokens, self.running, self.endings, self.acks, self.hand_backs))
 
     def keep_for_retry(self, outbox: Staged) -> None:
         """What a failed flush must not lose; token entries and states are dropped (their
         requests end with an error: see `Publisher.gapped`)."""
         outbox.endings += self.endings
         outbox.acks += self.acks
-        outbox.taken += self.taken
         outbox.hand_backs += self.hand_backs
 
 
@@ -123,7 +119,6 @@ class Publisher:
         self.name = name
         self.metrics = metrics
         self.requests_key = keys.requests(model)
-        self.queued_key = keys.queued(model)
         # request id -> its pending entry in the request stream, until its terminal entry is
         # written (the heartbeat keeps these fresh).
         self.entry_ids: dict[str, str] = {}
@@ -145,10 +140,9 @@ class Publisher:
         return len(self._outbox.endings)
 
     def take(self, request: GenerateRequest, entry_id: str) -> None:
-        """A request read from the stream: remember its entry, free its queue place."""
+        """A request taken from the queue: remember its entry."""
         self.entry_ids[request.id] = entry_id
         self._expires[request.id] = request.created + self.settings.request_ttl_s
-        self._staged.taken.append(request.queue_member)
 
     def stage_ack(self, request_id: str) -> None:
         """Acknowledge a request that already ended elsewhere (its terminal entry exists)."""
@@ -236,8 +230,6 @@ class Publisher:
     async def _send(self, staged: Staged) -> None:
         ttl = self.settings.request_ttl_s
         pipe = self.redis.pipeline(transaction=False)
-        for member_batch in _chunks(staged.taken):
-            pipe.zrem(self.queued_key, *member_batch)
         for request_id, worker in staged.running:
             state_key = self.keys.state(request_id)
             pipe.hset(state_key, mapping=RequestHash.running(worker))  # type: ignore[arg-type]
@@ -308,8 +300,6 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         self._stage_feeds(pipe, added)
         self._stage_acks(pipe, outbox)
-        for member_batch in _chunks(outbox.taken):
-            pipe.zrem(self.queued_key, *member_batch)
         await pipe.execute()
         self._outbox = Staged()
         self._written(outbox.endings)

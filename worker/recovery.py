@@ -4,9 +4,12 @@ A request stays pending in the consumer group from the moment a worker reads it 
 worker writes its terminal entry (XACK + XDEL in the same pipeline). Live workers keep their
 pending entries fresh by re-claiming them to themselves (XCLAIM with JUSTID resets the idle
 time) every heartbeat, so an entry idle for longer than `reclaim_after_s` belongs to a worker
-that stopped beating. Any worker with room claims such entries (XAUTOCLAIM, walking the group's
-pending list with its cursor across calls, so a long list is covered in turn rather than its
-head over and over) and resumes each request from its prompt plus the tokens already in its
+that stopped beating. Any worker with room claims such entries (XPENDING with IDLE, walking
+the group's pending list with its cursor across calls, so a long list is covered in turn rather
+than its head over and over, then XCLAIM with the same idle bound, so two workers never both
+claim one). Entries pending under the queue's consumer (`QUEUED_CONSUMER`) are requests still
+waiting in the queue, not abandoned ones: recovery leaves them to the take script
+(worker/take.py) and resumes each request from its prompt plus the tokens already in its
 result stream: those are prefilled, not generated again, so the client sees neither a gap nor a
 repeat, and seeded sampling continues where it was (the seed of each token depends only on its
 position). A worker restarted under the same name (as `redserve up` restarts them) takes back
@@ -19,14 +22,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
-from shared.keys import WORKER_GROUP, Keys
+from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import Error, GenerateRequest, Tokens, decode_result, expand, is_terminal
 from shared.redis_conn import StreamEntries, stream_reply
 
 log = logging.getLogger("redserve.worker")
+
+# Pending entries looked at per claim: queued ones among them are skipped.
+PAGE = 100
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class Recovery:
         self.stream = keys.requests(model)
         self.name = name
         self.reclaim_after_ms = int(reclaim_after_s * 1000)
-        self._cursor = "0-0"
+        self._cursor = "-"  # XPENDING's start: "-" or "(<entry id>" (after it)
 
     async def touch(self, entry_ids: Iterable[str]) -> None:
         """Reset the idle time of the entries this worker holds: they are alive."""
@@ -83,15 +90,28 @@ class Recovery:
         """Up to `room` requests abandoned by dead workers, now this worker's."""
         if room <= 0:
             return []
-        reply = await self.redis.xautoclaim(self.stream, WORKER_GROUP, self.name,
-                                            self.reclaim_after_ms, self._cursor, count=room)
-        cursor = reply[0]
-        self._cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        if len(reply) > 2 and reply[2]:
-            # Entries trimmed (older than the request TTL) while pending: XAUTOCLAIM has
-            # dropped them from the pending list; their requests' keys are gone.
-            log.warning("dropped %d pending entr(ies) trimmed from the stream", len(reply[2]))
-        claimed = await self._inspect_all(reply[1])
+        found = await self.redis.xpending_range(self.stream, WORKER_GROUP, self._cursor, "+",
+                                                PAGE, idle=self.reclaim_after_ms)
+        abandoned = [_text(p["message_id"]) for p in found
+                     if _text(p["consumer"]) != QUEUED_CONSUMER]
+        ids = abandoned[:room]
+        if len(abandoned) > room:
+            self._cursor = f"({ids[-1]}"
+        elif len(found) == PAGE:
+            self._cursor = f"({_text(found[-1]['message_id'])}"
+        else:
+            self._cursor = "-"  # the end of the list: from its head next time
+        if not ids:
+            return []
+        entries = cast(StreamEntries, await self.redis.xclaim(
+            self.stream, WORKER_GROUP, self.name, self.reclaim_after_ms,
+            ids))  # type: ignore[arg-type]
+        if len(entries) < len(ids):
+            # Entries trimmed (older than the request TTL) while pending, or claimed by
+            # another worker just now: XCLAIM drops the trimmed from the pending list.
+            log.info("%d abandoned entr(ies) were trimmed or claimed by another worker",
+                     len(ids) - len(entries))
+        claimed = await self._inspect_all([(i, f) for i, f in entries if f is not None])
         if claimed:
             log.warning("claimed %d request(s) from a dead worker", len(claimed))
         return claimed

@@ -15,6 +15,7 @@ again the outbox goes out first and the worker serves on.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Error, FinishReason, Heartbeat, queue_timeout
+from shared.messages import Error, FinishReason, GenerateRequest, Heartbeat, queue_timeout
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect
 from shared.retry import RedisBackoff
@@ -41,6 +42,7 @@ from worker.metrics import WorkerMetrics
 from worker.presence import Presence
 from worker.publisher import Publisher
 from worker.recovery import Claimed, Recovery, too_many_deliveries
+from worker.take import TakePolicy, Taker
 
 log = logging.getLogger("redserve.worker")
 
@@ -62,8 +64,10 @@ class WorkerService:
         self.aborts = AbortWatch(keys)
         self.recovery = Recovery(clients.commands, keys, info.name, self.name,
                                  reclaim_after_s=2 * settings.heartbeat_ttl_s)
+        self.taker = Taker(clients.commands, keys, info.name, self.name,
+                           TakePolicy.of(settings))
         self.intake = Intake(clients, keys.requests(info.name), self.name, self.aborts,
-                             self._room, settings.request_ttl_s)
+                             self._room, settings.request_ttl_s, self.taker)
         self.presence = Presence(
             clients.commands, keys, self.name, info.name, settings.heartbeat_ttl_s,
             self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
@@ -152,6 +156,8 @@ class WorkerService:
             return
 
     async def _step(self) -> None:
+        held = {rid: seq.request for rid, seq in self.engine.running.items()}
+        held.update((seq.request.id, seq.request) for seq in self.engine.waiting)
         step = asyncio.create_task(asyncio.to_thread(self._compute))
         failure: aioredis.RedisError | None = None
         try:
@@ -160,10 +166,23 @@ class WorkerService:
             failure = e
         finally:
             outputs = await self._finish_step(step)
+        self._served(held, outputs)
         self._end_aborted_and_late(outputs)
         self.intake.room_changed()
         if failure is not None:
             raise failure
+
+    def _served(self, held: dict[str, GenerateRequest], outputs: list[StepOutput]) -> None:
+        """Each tenant's tokens of the step, for its service counter (weighted, charged with
+        the next take: worker/take.py) and the metrics."""
+        tokens: collections.Counter[tuple[str, float]] = collections.Counter()
+        for out in outputs:
+            request = held.get(out.request_id)
+            if request is not None and out.error is None:
+                tokens[request.tenant, request.weight] += 1
+        for (tenant, weight), n in tokens.items():
+            self.taker.tally.add(tenant, n / weight)
+            self.metrics.served(tenant, "completion", n)
 
     def _compute(self) -> list[StepOutput]:
         fault = self.fault_token_id
@@ -214,6 +233,8 @@ class WorkerService:
         for claimed in intake:
             req, generated = claimed.request, claimed.generated
             self.publisher.take(req, claimed.entry_id)
+            if claimed.deliveries == 1:  # charged to its tenant by the take
+                self.metrics.served(req.tenant, "prompt", len(req.prompt_ids))
             if claimed.ended:  # its worker died between the terminal entry and the XACK
                 self.publisher.stage_ack(req.id)
                 continue

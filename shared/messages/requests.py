@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.messages.queue import QueueMember
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -57,9 +59,9 @@ class GenerateRequest(BaseModel):
 
     @property
     def queue_member(self) -> str:
-        """Its member in the model's queued set: the id, the tenant whose share it takes (a
-        tenant name has no colon) and the prompt size it reserves."""
-        return f"{self.id}:{self.tenant}:{len(self.prompt_ids)}"
+        """Its member in the model's queued set (see shared/messages/queue.py)."""
+        return QueueMember(self.id, self.tenant, len(self.prompt_ids), self.priority,
+                           self.weight, self.worker).encode()
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> GenerateRequest:
