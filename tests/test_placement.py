@@ -25,7 +25,7 @@ from ops.probe import scrape
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Heartbeat, PrefixSummary, RequestHash
 from shared.page_digest import prompt_digests
-from tests.stack import Stack, eventually
+from tests.stack import Stack, eventually, inspect, inspect_json
 from worker.pages import PageManager
 
 MODEL = "tiny-llama"
@@ -96,6 +96,9 @@ def test_a_worker_publishes_its_prefix_summary(two_workers: Stack,
     assert 0 < sync_redis.ttl(keys.prefixes(holder)) <= 2
     beat = Heartbeat.from_json(sync_redis.get(keys.worker(holder)) or b"")
     assert beat.prefix_pages >= 4
+    shown = {w["name"]: w for w in inspect_json(two_workers)["workers"]}
+    assert shown[holder]["prefix_pages"] >= 4
+    assert "prefix pages" in inspect(two_workers).stdout
 
 
 def test_requests_sharing_a_prefix_go_to_the_worker_that_cached_it(
