@@ -3,12 +3,15 @@ prompts, placed at random and then by prefix (api/placement.py), side by side in
 
     python -m ops.benchmarks.placement [--model M] [--prompts 8] [--requests 64]
                               [--prefix-tokens 1000] [--max-tokens 8] [--threads 1]
+                              [--concurrency 8]
 
 Starts its own Valkey; for each mode (`random`, then `prefix`) a fresh `redserve api
 --placement <mode>` and two fresh `redserve worker --threads 1` (empty prefix caches, one core
 each), under their own key prefix. `--prompts` system prompts of `--prefix-tokens` token ids
 each are shared by `--requests` streaming greedy completions (a distinct 8-token user suffix
-each, `--max-tokens` each), all sent at once, the prompts interleaved. Per mode: TTFT (send to
+each, `--max-tokens` each), the prompts interleaved, at most `--concurrency` in flight (as
+many clients as system prompts; 0: all at once, where a worker admits several requests of one
+new prefix in one step and computes it for each, which blurs what placement saves). Per mode: TTFT (send to
 first text chunk) p50/p90, and the prefill tokens the workers computed: the sum of
 prompt_tokens - prompt_tokens_details.cached_tokens of every reply's usage.
 Targets: prefix / random <= 0.5 for TTFT p50 and <= 0.6 for prefill tokens.
@@ -153,11 +156,18 @@ async def _request(client: httpx.AsyncClient, mode: Mode, name: str, prompt: lis
         mode.ttfts.append(ttft)
 
 
-async def _burst(url: str, mode: Mode, name: str, burst: list[list[int]], max_tokens: int
-                 ) -> None:
+async def _burst(url: str, mode: Mode, name: str, burst: list[list[int]], max_tokens: int,
+                 concurrency: int) -> None:
+    """Every prompt once, at most `concurrency` at a time (0: all at once), in order."""
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    slots = asyncio.Semaphore(concurrency or len(burst))
+
+    async def one(prompt: list[int]) -> None:
+        async with slots:
+            await _request(client, mode, name, prompt, max_tokens)
+
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(_request(client, mode, name, p, max_tokens) for p in burst))
+        await asyncio.gather(*(one(p) for p in burst))
 
 
 def main() -> None:
@@ -168,6 +178,9 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1000, help="tokens a system prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads a worker")
+    ap.add_argument("--concurrency", type=int, default=8,
+                    help="requests in flight at most (default 8, one a system prompt; 0: all "
+                    "sent at once)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
@@ -180,7 +193,8 @@ def main() -> None:
         console.print(f"model: {model.name} ({model.path}); {WORKERS} workers, --threads "
                       f"{args.threads}; {args.prompts} system prompts of {args.prefix_tokens} "
                       f"tokens shared by {args.requests} requests (+{SUFFIX_TOKENS} tokens "
-                      f"each), {args.max_tokens} tokens a reply, all sent at once")
+                      f"each), {args.max_tokens} tokens a reply, "
+                      f"{args.concurrency or 'all'} at a time")
         burst = prompts(args)
         for name in ("random", "prefix"):
             stack = Stack(redis_url, model.path, model.name, name, args)
@@ -190,7 +204,7 @@ def main() -> None:
                 modes.append(Mode(name))
                 with console.status(f"placement {name}: {args.requests} requests"):
                     asyncio.run(_burst(stack.url, modes[-1], model.name, burst,
-                                       args.max_tokens))
+                                       args.max_tokens, args.concurrency))
                 time.sleep(4.0)  # a heartbeat (the default TTL's third) with the last figures
                 modes[-1].read_spread(stack.url)
             finally:
