@@ -11,9 +11,10 @@ each), under their own key prefix. `--prompts` system prompts of `--prefix-token
 each are shared by `--requests` streaming greedy completions (a distinct 8-token user suffix
 each, `--max-tokens` each), the prompts interleaved, at most `--concurrency` in flight (as
 many clients as system prompts; 0: all at once, where a worker admits several requests of one
-new prefix in one step and computes it for each, which blurs what placement saves). Per mode: TTFT (send to
-first text chunk) p50/p90, and the prefill tokens the workers computed: the sum of
-prompt_tokens - prompt_tokens_details.cached_tokens of every reply's usage.
+new prefix in one step and computes it for each, which blurs what placement saves).
+Per mode: TTFT (send to first text chunk) p50/p90, and the prefill tokens the workers
+computed: the sum of prompt_tokens - prompt_tokens_details.cached_tokens of every reply's
+usage, and the tokens each worker generated.
 Targets: prefix / random <= 0.5 for TTFT p50 and <= 0.6 for prefill tokens.
 Prompts are token ids below 10,000, so any model with a vocabulary that large will do.
 """
