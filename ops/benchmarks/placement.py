@@ -158,17 +158,24 @@ async def _request(client: httpx.AsyncClient, mode: Mode, name: str, prompt: lis
 
 
 async def _burst(url: str, mode: Mode, name: str, burst: list[list[int]], max_tokens: int,
-                 concurrency: int) -> None:
-    """Every prompt once, at most `concurrency` at a time (0: all at once), in order."""
+                 concurrency: int, rate: float) -> None:
+    """Every prompt once, in order: Poisson arrivals at `rate` a second when given, else at
+    most `concurrency` at a time (0: all at once)."""
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-    slots = asyncio.Semaphore(concurrency or len(burst))
+    slots = asyncio.Semaphore(len(burst) if rate or not concurrency else concurrency)
+    waits = random.Random(7)
 
-    async def one(prompt: list[int]) -> None:
+    async def one(i: int, prompt: list[int]) -> None:
+        if rate:
+            await asyncio.sleep(arrivals[i])
         async with slots:
             await _request(client, mode, name, prompt, max_tokens)
 
+    arrivals = [0.0]
+    for _ in burst[1:]:
+        arrivals.append(arrivals[-1] + waits.expovariate(rate or 1.0))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(one(p) for p in burst))
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(burst)))
 
 
 def main() -> None:
@@ -182,6 +189,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8,
                     help="requests in flight at most (default 8, one a system prompt; 0: all "
                     "sent at once)")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="Poisson arrivals, requests/s (default 0: --concurrency clients)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
@@ -195,7 +204,8 @@ def main() -> None:
                       f"{args.threads}; {args.prompts} system prompts of {args.prefix_tokens} "
                       f"tokens shared by {args.requests} requests (+{SUFFIX_TOKENS} tokens "
                       f"each), {args.max_tokens} tokens a reply, "
-                      f"{args.concurrency or 'all'} at a time")
+                      + (f"{args.rate:g} a second (Poisson)" if args.rate
+                         else f"{args.concurrency or 'all'} at a time"))
         burst = prompts(args)
         for name in ("random", "prefix"):
             stack = Stack(redis_url, model.path, model.name, name, args)
@@ -205,7 +215,7 @@ def main() -> None:
                 modes.append(Mode(name))
                 with console.status(f"placement {name}: {args.requests} requests"):
                     asyncio.run(_burst(stack.url, modes[-1], model.name, burst,
-                                       args.max_tokens, args.concurrency))
+                                       args.max_tokens, args.concurrency, args.rate))
                 time.sleep(4.0)  # a heartbeat (the default TTL's third) with the last figures
                 modes[-1].read_spread(stack.url)
             finally:
