@@ -17,6 +17,7 @@ from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext, Live, ServedModel
 from api.limits.reservation import RateLimits
 from api.metrics import APIMetrics, CountResponses, QueueDepths
+from api.placement import Placement
 from api.reader import ResultReader
 from api.text import TextCodec
 from shared.keys import Keys, new_replica_tag
@@ -72,8 +73,10 @@ def create_app(settings: Settings) -> FastAPI:
         admission = Admission(clients.commands, keys, QueueLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
             settings.max_queued_per_tenant), settings.request_ttl_s)
+        placement = Placement(clients.commands, keys, list(models), settings.placement,
+                              metrics, remember_s=settings.heartbeat_ttl_s)
         ctx = AppContext(settings, keys, models, clients, reader, admission, metrics, replica,
-                         policies, RateLimits(clients.commands, keys), live)
+                         policies, RateLimits(clients.commands, keys), placement, live)
         metrics.watch(
             inflight=lambda: len(ctx.live.requests) + len(ctx.live.resumes),
             queues=lambda: len(reader.subscriptions),
@@ -83,10 +86,12 @@ def create_app(settings: Settings) -> FastAPI:
                                          {name: keys.queued(name) for name in models},
                                          settings.queue_timeout_s))
         await reader.start(settings.request_ttl_s)
+        placing = asyncio.create_task(placement.run())
         app.state.ctx = ctx
         try:
             yield
         finally:
+            placing.cancel()
             # Requests still open here are past the drain: end them, then stop reading.
             for request in ctx.live.all():
                 request.fail(SHUTDOWN_ERROR)

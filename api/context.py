@@ -14,6 +14,7 @@ from api.admission import Admission
 from api.errors import APIError
 from api.limits.reservation import RateLimits
 from api.metrics import APIMetrics
+from api.placement import Placement
 from api.reader import ResultReader
 from api.text import TextCodec
 from shared.keys import Keys
@@ -107,4 +108,5 @@ class AppContext:
     replica: str
     policies: TenantPolicies  # each tenant's rate limits and weight (shared/tenants.py)
     limits: RateLimits
+    placement: Placement  # which worker a new request goes to
     live: Live = field(default_factory=Live)

@@ -4,7 +4,7 @@ Two jobs. The leak audit: in-flight requests and result queues return to zero wh
 seen from outside. And what an operator watches: time to first token, gaps between tokens,
 end-to-end latency and the wait for a worker, as histograms by model; how requests end and why
 this replica cancelled them; HTTP responses by status (those refused before any route runs,
-401/413/431, included); the model's queue depth.
+401/413/431, included); the model's queue depth; how prefix placement went.
 
 Every timing starts at the request's `created`, the moment the replica accepted it
 (validated, tokenized, about to be queued), which is also where the worker's own timings
@@ -95,6 +95,10 @@ class APIMetrics:
         self.slow_clients = Counter("redserve_api_slow_client_cancels_total",
                                     "Streams cancelled because the client fell behind",
                                     registry=r)
+        self.placements = Counter("redserve_api_placements_total",
+                                  "Requests placed on a worker by prefix (api/placement.py): "
+                                  "hit (its worker holds a prefix page), miss, or overloaded "
+                                  "(the holder had no room)", ["model", "outcome"], registry=r)
         self.responses = Counter("redserve_api_http_responses_total",
                                  "HTTP responses by status class and code", ["class", "code"],
                                  registry=r)

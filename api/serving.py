@@ -117,6 +117,7 @@ async def generate(
                 grammar=constraint,
                 priority=body.priority,
                 weight=ctx.policies.of(tenant).weight,
+                worker=ctx.placement.place(model.name, tenant, prompt_ids),
             ))
     if ctx.settings.log_request_text:  # asked for (as vLLM's --enable-log-requests)
         text = ({"messages": [m.model_dump(exclude_none=True) for m in body.messages]}

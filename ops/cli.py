@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                       loads_models=args.command in ("up", "api", "worker"))
     if args.command == "api":
         run_api(settings_from(args, "host", "port", "model", "served_model_name", "models_file",
-                              "api_keys_file", "no_auth", *LIMITS, "access_log",
-                              "log_request_text"))
+                              "api_keys_file", "no_auth", *LIMITS, "placement",
+                              "access_log", "log_request_text"))
     elif args.command == "worker":
         run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
                                  "kernels", "batch_invariant", "quantization",

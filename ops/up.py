@@ -36,7 +36,7 @@ log = logging.getLogger("redserve.up")
 def run_up(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     settings = settings_from(args, "port", "model", "served_model_name", "models_file",
-                         "api_keys_file", "no_auth", *LIMITS, *LOGGING)
+                         "api_keys_file", "no_auth", *LIMITS, "placement", *LOGGING)
     auth_env = _auth_env(settings, host)
     _check_tenants(settings)
     specs = model_specs(settings)
@@ -142,9 +142,10 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     access = ["--access-log"] if settings.access_log else []
     limits = [f for name in LIMITS if getattr(args, name) is not None
               for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    placement = ["--placement", args.placement] if args.placement else []
     return children + [ChildSpec(f"API replica :{port}", (
-        *me, "api", "--host", host, "--port", str(port), *every_model, *limits, *logs,
-        *access)) for port in ports]
+        *me, "api", "--host", host, "--port", str(port), *every_model, *limits, *placement,
+        *logs, *access)) for port in ports]
 
 
 def _replica_ready(base_url: str, models: list[str]) -> bool:

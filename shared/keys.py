@@ -21,6 +21,7 @@ OpenAI's are).
     {prefix}:{<replica>}:feed              stream: every result entry for the replica (TTL)
     {prefix}:aborts                        stream announcing abort keys as they are set (TTL)
     {prefix}:worker:<name>                 heartbeat: `messages.Heartbeat`    (TTL)
+    {prefix}:prefixes:<name>               a worker's cached pages: `messages.PrefixSummary` (TTL)
 
 A request waiting in the queue is pending in the group under the consumer `QUEUED_CONSUMER`
 (the admission script delivers it there at once), so a worker takes the one it chooses with
@@ -126,3 +127,8 @@ class Keys:
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
+
+    def prefixes(self, name: str) -> str:
+        """A worker's prefix summary, beside (not under) its heartbeat: a worker's name may
+        hold a colon, and `worker:<name>` is the heartbeat's whole pattern."""
+        return f"{self.prefix}:prefixes:{name}"

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     page_size: int = Field(default=16, ge=1, le=1024)
     # Reuse the full KV pages of shared prompt prefixes across requests.
     prefix_caching: bool = True
+    # Which worker an API replica places a request on (api/placement.py): `prefix`, the live
+    # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
+    # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.
+    placement: Literal["prefix", "random", "none"] = "prefix"
     heartbeat_ttl_s: int = Field(default=10, ge=2)
     # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed
     # by another worker and resumed from its published tokens; one delivered more often than

@@ -11,15 +11,28 @@ Once computed, a full page is published under its key, so a later request whose 
 with the same tokens takes the page instead of recomputing it. Published pages nobody
 references stay cached until the free list runs dry; then the least recently released one is
 evicted and reused, leaves of a chain before its head.
+
+Each key also carries the page's public digest (shared/page_digest.py: an unkeyed chain over
+the tenant and the tokens, 8 bytes) after its secret part, so the set of cached pages can be
+announced (`summary`) for prefix-aware placement without revealing the secret chain: API
+replicas compute the same public chain from a prompt. The summary's version changes whenever a
+page is published or evicted, so the heartbeat rewrites it only then. Computing the public
+digest costs one more small hash per full page, never anything per token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from shared.messages import PrefixSummary
+from shared.page_digest import PAGE_DIGEST_SIZE, next_digest, tenant_root
+
+_SECRET_SIZE = 16
 
 
 class PageManager:
@@ -33,6 +46,9 @@ class PageManager:
         self._page_by_key: dict[bytes, int] = {}
         self._key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (key, its tokens)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        # Bumped on every publish and eviction; it starts from the clock so that a worker
+        # restarted under the same name never repeats a version a replica has already read.
+        self.version = time.time_ns()
 
     @property
     def available(self) -> int:
@@ -52,16 +68,28 @@ class PageManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def published(self) -> int:
+        """Full pages the prefix cache can serve (referenced or not)."""
+        return len(self._key_of)
+
     def root(self, tenant: str) -> bytes:
-        """Where the chains of `tenant`'s requests start."""
-        return hashlib.blake2b(tenant.encode(), digest_size=16, key=self._secret,
-                               person=b"tenant").digest()
+        """Where the chains of `tenant`'s requests start (secret part, then public)."""
+        return hashlib.blake2b(tenant.encode(), digest_size=_SECRET_SIZE, key=self._secret,
+                               person=b"tenant").digest() + tenant_root(tenant)
 
     def chain(self, key: bytes, chunk: tuple[int, ...]) -> bytes:
         """The key of a page holding `chunk` after the page whose key is `key`."""
-        digest = hashlib.blake2b(key, digest_size=16, key=self._secret)
+        digest = hashlib.blake2b(key[:_SECRET_SIZE], digest_size=_SECRET_SIZE, key=self._secret)
         digest.update(array("q", chunk).tobytes())
-        return digest.digest()
+        return digest.digest() + next_digest(key[_SECRET_SIZE:], chunk)
+
+    def summary(self) -> PrefixSummary:
+        """The public digests of every published page. Safe to call while a step runs on
+        another thread: the keys are copied in one C call."""
+        version = self.version
+        return PrefixSummary(self.page_size, version, frozenset(
+            key[-PAGE_DIGEST_SIZE:] for key in tuple(self._page_by_key)))
 
     def match(self, tokens: Sequence[int], root: bytes) -> tuple[list[int], list[bytes]]:
         """The cached pages that start `tokens`, referenced for the caller, and their keys.
@@ -97,6 +125,7 @@ class PageManager:
                 page, _ = self._evictable.popitem(last=False)
                 key, _tokens = self._key_of.pop(page)
                 del self._page_by_key[key]
+                self.version += 1
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -128,6 +157,7 @@ class PageManager:
             if key not in self._page_by_key and page not in self._key_of:
                 self._page_by_key[key] = page
                 self._key_of[page] = (key, chunk)
+                self.version += 1
 
     def _take(self, page: int) -> None:
         if self._refs[page] == 0:

@@ -2,7 +2,11 @@
 
 Every `heartbeat_ttl_s / 3` seconds, in one place:
 - its status key and its place among the model's live workers (which API replicas read for
-  /ready and /v1/models); a draining worker leaves that set first;
+  /ready, /v1/models and placement); a draining worker leaves that set first;
+- its prefix summary (`Keys.prefixes`: the public digests of the pages its prefix cache
+  holds), rewritten only when it changed and otherwise only given a new TTL, so a worker whose
+  cache is steady costs one EXPIRE a beat; the heartbeat carries the summary's version, so the
+  API replicas' placement (api/placement.py) re-reads it only then;
 - its model's request stream TTL (the stream lives while a worker serves it);
 - the idle time of every entry it holds (see worker/recovery.py), and, unless draining, a claim
   of entries abandoned by dead workers;
@@ -30,7 +34,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Heartbeat
+from shared.messages import Heartbeat, PrefixSummary
 from worker.aborts import AbortWatch
 from worker.intake import Intake
 from worker.publisher import Publisher
@@ -53,7 +57,10 @@ class Presence:
     recovery: Recovery
     intake: Intake
     aborts: AbortWatch
+    prefixes: Callable[[], PrefixSummary]  # what its prefix cache holds
     draining: bool = False
+    # The version of the prefix summary last written (None: write it at the next beat).
+    _written: int | None = field(default=None, init=False)
     # (monotonic time, generated_tokens) at the previous beat: the rate's starting point.
     _last: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0), init=False)
 
@@ -88,8 +95,10 @@ class Presence:
         """Announce this worker: its status key, and its place among the model's live
         workers unless it is draining."""
         status = self.status()
+        summary = self.prefixes()
         beat = replace(status, draining=self.draining, at=round(time.time(), 3),
-                       tokens_per_s=self._rate(status.generated_tokens))
+                       tokens_per_s=self._rate(status.generated_tokens),
+                       prefix_pages=len(summary.digests), prefix_version=summary.version)
         workers = self.keys.workers(self.model)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.worker(self.name), beat.to_json(), ex=self.ttl_s)
@@ -98,7 +107,19 @@ class Presence:
         else:
             pipe.zadd(workers, {self.name: time.time() + self.ttl_s})
             pipe.expire(workers, self.ttl_s * 3)
-        await self._part("send the heartbeat", pipe.execute)
+        changed = summary.version != self._written
+        if changed:
+            pipe.set(self.keys.prefixes(self.name), summary.encode(), ex=self.ttl_s)
+        else:
+            pipe.expire(self.keys.prefixes(self.name), self.ttl_s)
+
+        async def send() -> None:
+            self._written = None
+            replies = await pipe.execute()
+            # Written, or still there: otherwise (expired, Redis restarted) write it next beat.
+            self._written = summary.version if changed or replies[-1] else None
+
+        await self._part("send the heartbeat", send)
 
     def _rate(self, generated: int) -> float:
         """Tokens generated per second since the previous beat."""
@@ -110,5 +131,6 @@ class Presence:
     async def leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(self.name))
+        pipe.delete(self.keys.prefixes(self.name))  # another slot: its own command
         pipe.zrem(self.keys.workers(self.model), self.name)
         await self._part("announce the shutdown", pipe.execute)

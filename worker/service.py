@@ -71,7 +71,7 @@ class WorkerService:
         self.presence = Presence(
             clients.commands, keys, self.name, info.name, settings.heartbeat_ttl_s,
             self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
-            self.intake, self.aborts)
+            self.intake, self.aborts, self.engine.pages.summary)
         self.stopping = asyncio.Event()
         self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/dev_hooks.py)
 

@@ -92,7 +92,7 @@ def _tenants(s: Snapshot) -> Table:
 def _workers(s: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left")
     for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
-                 "tokens/s", "device", "dtype"):
+                 "prefix pages", "tokens/s", "device", "dtype"):
         table.add_column(name, justify="left" if name in ("worker", "model", "device", "dtype")
                          else "right", no_wrap=True)
     for w in s.workers:
@@ -100,7 +100,7 @@ def _workers(s: Snapshot) -> Table:
         table.add_row(
             Text(w.name + (" (draining)" if w.draining else "")), Text(w.model), beat,
             f"{w.running}/{w.capacity}", str(w.waiting),
-            f"{w.kv_pages_used}/{w.kv_pages_total}", str(w.kv_pages_free),
+            f"{w.kv_pages_used}/{w.kv_pages_total}", str(w.kv_pages_free), str(w.prefix_pages),
             "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}", Text(w.device),
             Text(w.dtype))
     return table

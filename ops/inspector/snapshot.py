@@ -90,6 +90,7 @@ class WorkerView:
     device: str
     dtype: str
     draining: bool
+    prefix_pages: int = 0  # full pages its prefix cache can serve (what placement sees)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
         running=beat.running, waiting=beat.waiting, capacity=beat.capacity,
         kv_pages_used=beat.pages_used, kv_pages_free=beat.kv_pages_free,
         kv_pages_total=beat.kv_pages_total, tokens_per_s=beat.tokens_per_s, device=beat.device,
-        dtype=beat.dtype, draining=beat.draining)
+        dtype=beat.dtype, draining=beat.draining, prefix_pages=beat.prefix_pages)
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

@@ -23,12 +23,14 @@ Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
 Rate-limit bucket hash (`BucketField` names its fields, `Bucket` reads them): a tenant's
 request and token levels for one model, written by the replicas' admission and settle scripts.
 Queued-set member (`QueueMember`) and service counters (`ServiceCounters`): see `queue`.
+A worker's prefix summary (`PrefixSummary`): the public digests of its cached pages, binary.
 """
 
 from __future__ import annotations
 
 from shared.messages.heartbeat import Heartbeat
 from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
+from shared.messages.placement import PrefixSummary
 from shared.messages.queue import MEMBER_LUA, QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.results import (
@@ -48,7 +50,8 @@ from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
     "BUCKET_TTL_MS", "MEMBER_LUA", "WINDOW_MS", "Bucket", "BucketField", "Error", "Finish",
-    "FinishReason", "GenerateRequest", "Heartbeat", "QueueMember", "RequestField",
+    "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary", "QueueMember",
+    "RequestField",
     "RequestHash", "RequestState", "ResultEntry", "SamplingParams", "ServiceCounters",
     "TokenLogprob", "Tokens",
     "decode_feed", "decode_result", "expand", "feed_fields", "is_terminal", "queue_timeout",

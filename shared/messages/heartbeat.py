@@ -34,6 +34,8 @@ class Heartbeat:
     dtype: str = ""
     outbox: int = 0  # terminal entries waiting for Redis to come back
     draining: bool = False
+    prefix_pages: int = 0  # full pages its prefix cache can serve (its `PrefixSummary`)
+    prefix_version: int = 0  # changes whenever its prefix summary does
 
     @property
     def pages_used(self) -> int:
