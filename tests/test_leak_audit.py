@@ -137,9 +137,10 @@ def test_500_mixed_requests_leave_nothing_behind(
             assert kinds and kinds.count(b"finish") + kinds.count(b"error") == 1, rid
             assert kinds[-1] in (b"finish", b"error"), rid
 
-        # Every key carries a TTL; those of the model, the worker and the replica's feed are
-        # refreshed while they live.
-        refreshed = (keys.worker("").encode(), keys.workers(MODEL).encode(), stream.encode(),
+        # Every key carries a TTL; those of the model, the worker (heartbeat, prefix summary)
+        # and the replica's feed are refreshed while they live.
+        refreshed = (keys.worker("").encode(), keys.prefixes("").encode(),
+                     keys.workers(MODEL).encode(), stream.encode(),
                      keys.queued(MODEL).encode(), keys.entries(MODEL).encode(),
                      keys.service(MODEL).encode(), keys.aborts.encode())
 
