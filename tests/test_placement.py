@@ -152,8 +152,16 @@ def test_a_worker_killed_holding_cached_prefixes_loses_no_request(
     try:
         for p in prefixes:
             _complete(stack, [*p, 1])
-        assert eventually(lambda: any(_holder(sync_redis, keys, [names[0]], [*p, 1])
-                                      for p in prefixes), 10), "worker 0 cached no prefix"
+
+        def holder() -> int | None:
+            """A worker caching one of the prefixes (placement chose which: idle workers
+            tie on load)."""
+            return next((i for i, name in enumerate(names) for p in prefixes
+                         if _holder(sync_redis, keys, [name], [*p, 1])), None)
+
+        assert eventually(lambda: holder() is not None, 10), "no worker cached a prefix"
+        victim = holder()
+        assert victim is not None
         time.sleep(1.5)
 
         async def load() -> list[tuple[int, str]]:
@@ -164,19 +172,19 @@ def test_a_worker_killed_holding_cached_prefixes_loses_no_request(
 
                 def held() -> object:
                     return sync_redis.xpending_range(keys.requests(MODEL), WORKER_GROUP, "-",
-                                                     "+", 100, consumername=names[0])
+                                                     "+", 100, consumername=names[victim])
 
-                assert await asyncio.to_thread(eventually, held, 30), "worker 0 took nothing"
-                stack.worker_proc(0).send_signal(signal.SIGKILL)
+                assert await asyncio.to_thread(eventually, held, 30), "the victim took nothing"
+                stack.worker_proc(victim).send_signal(signal.SIGKILL)
                 return await task
 
         results = asyncio.run(load())
-        stack.worker_proc(0).wait()
+        stack.worker_proc(victim).wait()
         assert results == [(60, "length")] * 16, stack.output()
         # Every key expires: the dead worker's heartbeat and summary included.
         found = [k for k in sync_redis.scan_iter(match=f"{stack.prefix}:*", count=1000)]
         assert found and all(sync_redis.ttl(k) != -1 for k in found), [
             k for k in found if sync_redis.ttl(k) == -1]
-        assert eventually(lambda: not sync_redis.exists(keys.prefixes(names[0])), 10)
+        assert eventually(lambda: not sync_redis.exists(keys.prefixes(names[victim])), 10)
     finally:
         stack.stop()
