@@ -3,18 +3,23 @@ them by request id into bounded per-request queues (the seed's `listen`, without
 subscription is removed by whoever opened it, whatever way the request ends).
 
 Workers append one feed entry per step with every new result entry of this replica's requests
-(see shared/keys.py), after writing the same entries to each request's result stream. So the
-reader blocks on one key and takes a whole step in one command, whatever the number of
-requests: a blocking XREAD over every request's stream would cost Redis a registration and a
-wake on each of them per step. The feed is within the replica's hash tag, one Cluster slot.
+(see shared/keys.py). So the reader blocks on one key and takes a whole step in one command,
+whatever the number of requests: a blocking XREAD over every request's stream would cost
+Redis a registration and a wake on each of them per step. The feed is within the replica's
+hash tag, one Cluster slot.
 
-The result streams stay the record. A request's entries are placed by token index, so one seen
-twice (a worker that resumed a request, a retried publish) is dropped and one that skips ahead
-shows a gap. When a client falls behind (its queue is nearly full) or a gap shows, its request
-leaves the feed and catches up from its own result stream, tokens waiting in Redis rather than
-in this process, and rejoins the feed once level; a client that stays behind for
-`slow_after_s` is reported through `on_slow_client`. Should the feed vanish (Redis restarted),
-it is made anew and every request catches up from its stream.
+The result streams are the record, written in chunks that trail the feed by up to 16 tokens
+or 0.5 s (worker/record.py). A request's entries are placed by token index, so one seen twice
+(a worker that resumed a request, a retried publish) is dropped and one that skips ahead shows
+a gap. When a client falls behind (its queue is full) or a gap shows, its request leaves the
+feed and catches up from its own result stream, tokens waiting in Redis rather than in this
+process, keeping meanwhile the newest of its feed entries (at most half a buffer); level
+with its record, it takes those and rejoins the feed. If they do not reach back to the
+record's end, it waits for the record's next chunk, polling every `GAP_POLL_S`, and ends with
+an error only if the record makes no progress for `record_lag_s` (longer than a dead
+worker's takeover, which records what the feed had: worker/recovery.py). A client that stays
+behind for `slow_after_s` is reported through `on_slow_client`. Should the feed vanish (Redis
+restarted), it is made anew and every request catches up from its stream.
 
 Every request of the replica depends on this one task, so it must never die silently: an entry
 that cannot be decoded ends only its own request (with an error), and should the loop itself
@@ -35,7 +40,16 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.messages import Error, Finish, ResultEntry, Tokens, decode_feed, decode_result, expand
+from shared.messages import (
+    Error,
+    Finish,
+    ResultEntry,
+    Tokens,
+    decode_feed,
+    decode_result,
+    expand,
+    feed_min_id,
+)
 from shared.redis_conn import RedisClients, StreamEntries, stream_reply
 from shared.retry import RedisBackoff
 
@@ -48,7 +62,8 @@ OUTAGE_AFTER_S = 1.0
 # While some client is behind, read with a short block so it catches up promptly once it
 # reads again.
 BEHIND_BLOCK_MS = 20
-FEED_MAXLEN = 10_000
+# How often a request level with a record that lacks what the feed showed reads it again.
+GAP_POLL_S = 0.2
 # How often the feed's TTL is refreshed (and its loss noticed).
 FEED_CHECK_S = 5.0
 RESTART_PAUSE_S = 0.1
@@ -68,6 +83,10 @@ class Subscription:
     behind: bool = False  # off the feed: reads its own stream until level
     stream_id: bytes | str = "0-0"  # how far it has read its own stream
     behind_since: float | None = None  # when it last had no room
+    # While behind: its newest feed entries, to rejoin the feed with once the record is read.
+    stash: list[ResultEntry] = field(default_factory=list)
+    lagging_since: float | None = None  # level with a record that lacks what the feed showed
+    polled: float = 0.0  # when its record was last read
 
     def fail(self, error: Error) -> None:
         """End the request here: drop what is buffered, deliver `error` next."""
@@ -105,6 +124,11 @@ class Subscription:
         self.ended = isinstance(fresh[-1], Finish | Error)
         return "ok"
 
+    def keep(self, entries: list[ResultEntry], limit: int) -> None:
+        """Stash feed entries that arrived while behind: the newest `limit`."""
+        self.stash.extend(entries)
+        del self.stash[:-limit]
+
 
 @dataclass
 class ResultReader:
@@ -114,12 +138,18 @@ class ResultReader:
     buffer: int
     slow_after_s: float
     on_slow_client: Callable[[str], None] = lambda request_id: None
+    record_lag_s: float = 25.0
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by request id
     _feed_id: bytes | str = "0-0"
     _ttl_s: int = 3600
     _feed_checked: float = 0.0
     _task: asyncio.Task[None] | None = None
     restarts: int = 0
+
+    @property
+    def room(self) -> int:
+        """Queue items a request may hold: a finish entry may carry tokens (two items)."""
+        return self.buffer - 2
 
     @property
     def feed_key(self) -> str:
@@ -153,7 +183,7 @@ class ResultReader:
     async def _make_feed(self) -> bytes:
         """The feed exists from here on (workers never make it), with its TTL."""
         pipe = self.clients.commands.pipeline(transaction=False)
-        pipe.xadd(self.feed_key, {"d": ""}, maxlen=FEED_MAXLEN, approximate=True)
+        pipe.xadd(self.feed_key, {"d": ""}, minid=feed_min_id(time.time()), approximate=True)
         pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)
@@ -221,11 +251,10 @@ class ResultReader:
         """Read the streams of the requests off the feed, those with room; True while some
         request is still behind."""
         waiting = False
-        room = self.buffer - 2  # a finish entry may carry tokens: two queue items
         for sub in list(self.subscriptions.values()):
             if not sub.behind or sub.ended:
                 continue
-            free = room - sub.queue.qsize()
+            free = self.room - sub.queue.qsize()
             if free < 2:
                 waiting = True
                 sub.behind_since = sub.behind_since or now
@@ -234,21 +263,43 @@ class ResultReader:
                     self.on_slow_client(sub.request_id)
                 continue
             sub.behind_since = None
-            reply = cast(StreamEntries, await self.clients.commands.xrange(
-                sub.key, _after(sub.stream_id), "+", count=free // 2))
-            outcome = "ok"
-            for entry_id, fields in reply:
-                outcome = sub.offer(_decode(sub.key, fields), room)
-                if outcome == "gap":  # in the record itself: those results never came
-                    sub.fail(LOST)
-                if outcome != "ok":
-                    break
-                sub.stream_id = entry_id
-            if outcome == "ok" and len(reply) < free // 2:
-                sub.behind = False  # level with its stream: the feed brings the rest
-            else:
+            if sub.lagging_since is not None and now - sub.polled < GAP_POLL_S:
                 waiting = True
+                continue
+            waiting = await self._read_record(sub, free // 2, now) or waiting
         return waiting
+
+    async def _read_record(self, sub: Subscription, count: int, now: float) -> bool:
+        """Catch `sub` up from its record, then from its stash: True while still behind."""
+        sub.polled, before = now, sub.next_index
+        reply = cast(StreamEntries, await self.clients.commands.xrange(
+            sub.key, _after(sub.stream_id), "+", count=count))
+        outcome = "ok"
+        for entry_id, fields in reply:
+            outcome = sub.offer(_decode(sub.key, fields), self.room)
+            if outcome == "gap":  # in the record itself: those results never came
+                sub.fail(LOST)
+            if outcome != "ok":
+                break
+            sub.stream_id = entry_id
+        if sub.ended:
+            return False
+        if sub.next_index > before:
+            sub.lagging_since = None
+        if outcome != "ok" or len(reply) == count:
+            return True
+        # Level with the record: the stash carries on from it, unless the record lags.
+        outcome = sub.offer(sub.stash, self.room)
+        if outcome == "ok":
+            sub.stash.clear()
+            sub.behind, sub.lagging_since = False, None
+            return False
+        if outcome == "gap":
+            sub.lagging_since = sub.lagging_since or now
+            if now - sub.lagging_since > self.record_lag_s:
+                sub.fail(LOST)
+                return False
+        return True
 
     def _route_feed(self, fields: Mapping[bytes, bytes]) -> None:
         try:
@@ -256,13 +307,15 @@ class ResultReader:
         except Exception:
             log.exception("malformed feed entry")
             return
-        room = self.buffer - 2
         for request_id, entry_fields in batch.items():
             sub = self.subscriptions.get(request_id)
-            if sub is None or sub.behind or sub.ended:
-                continue  # gone, or catching up from its stream (which has this too)
-            if sub.offer(_decode(sub.key, entry_fields), room) != "ok":
+            if sub is None or sub.ended:
+                continue
+            entries = _decode(sub.key, entry_fields)
+            if not sub.behind and sub.offer(entries, self.room) != "ok":
                 sub.behind = True
+            if sub.behind:
+                sub.keep(entries, self.room // 2)
 
     def _fail_all(self, error: Error) -> None:
         for sub in self.subscriptions.values():

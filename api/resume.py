@@ -1,13 +1,15 @@
 """Resumable streams: any replica can replay a request's SSE stream from its result stream.
 
 Every SSE event of a reply carries `id: <n>`, its ordinal. The events are a pure function of
-the result entries (one event per entry at most, in stream order), so a replica that reads the
-same entries from the start and renders them the same way produces the same events with the
-same ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends
-the events after `n`: no gap, no duplicate, the same text as an unbroken stream, whichever
-replica served the start. What rendering needs (the reply's `ReplySpec`: its kind, stop
-strings, echo prefix, ...) is stored with the deadlines as a `StreamView` in the request's
-hash when the stream starts.
+the tokens (one event per token at most, in order: api/replies/streamed.py takes entries apart,
+so the record's chunks render as the feed's steps did), so a replica that reads the same
+entries from the start and renders them the same way produces the same events with the same
+ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends the
+events after `n`: no gap, no duplicate, the same text as an unbroken stream, whichever replica
+served the start. The record trails what the first stream showed by up to a chunk
+(worker/record.py), so a resumed running stream comes in chunks. What rendering needs (the
+reply's `ReplySpec`: its kind, stop strings, echo prefix, ...) is stored with the deadlines
+as a `StreamView` in the request's hash when the stream starts.
 
 A stream with several choices interleaves their entries in arrival order, which a replay
 cannot reproduce, so only single-choice streams are resumable.

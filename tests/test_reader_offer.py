@@ -1,13 +1,14 @@
 """How a request's result entries are placed in its queue, wherever they come from (the
 replica's feed, or the request's own stream when catching up): by token index, so a repeat is
-dropped, a gap is noticed, and a batch goes in whole or not at all."""
+dropped, a gap is noticed, and a batch goes in whole or not at all; and how a record's chunk
+is taken apart for a streamed reply."""
 
 from __future__ import annotations
 
 import asyncio
 
 from api.reader import Subscription
-from shared.messages import Error, Finish, Tokens
+from shared.messages import Error, Finish, Tokens, expand
 
 
 def _sub(size: int = 8) -> Subscription:
@@ -43,3 +44,18 @@ def test_a_batch_that_does_not_fit_waits_whole() -> None:
     _drain(sub)
     assert sub.offer([Tokens(5, (5,)), Finish("length", 1, 6)], 6) == "ok" and sub.ended
     assert sub.offer([Error("late")], 6) == "ok" and sub.queue.qsize() == 2  # ended: ignored
+
+
+def test_a_chunk_is_rendered_one_token_at_a_time() -> None:
+    chunk = Finish("length", 3, 3, 0, Tokens(1, (7, 8), ((-0.5, ()), (-0.25, ())), 12))
+    tokens, finish = expand(chunk)
+    assert isinstance(tokens, Tokens) and finish == Finish("length", 3, 3, 0)
+    assert tokens.split() == [Tokens(1, (7,), ((-0.5, ()),), 12), Tokens(2, (8,), ((-0.25, ()),))]
+    assert Tokens.joined(tokens.split()) == tokens
+
+
+def test_the_stash_keeps_the_newest_feed_entries() -> None:
+    sub = _sub()
+    sub.keep([Tokens(i, (i,)) for i in range(5)], 3)
+    sub.keep([Finish("length", 1, 5)], 3)
+    assert sub.stash == [Tokens(3, (3,)), Tokens(4, (4,)), Finish("length", 1, 5)]

@@ -16,7 +16,15 @@ import redis.asyncio as aioredis
 from ops.embedded_redis import EmbeddedRedis
 from shared.aborts import stage_aborts
 from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
-from shared.messages import Error, GenerateRequest, SamplingParams, Tokens, decode_result
+from shared.messages import (
+    Error,
+    Finish,
+    GenerateRequest,
+    SamplingParams,
+    Tokens,
+    decode_result,
+    expand,
+)
 from shared.redis_conn import connect
 from shared.settings import Settings
 from tests.stack import Stack, eventually
@@ -244,8 +252,9 @@ def test_the_worker_ends_a_request_at_its_deadline(
         stack.stop()
 
 
-def test_a_request_whose_tokens_a_failed_flush_dropped_ends_with_an_error() -> None:
-    """Its stream has a gap: a finish after it would promise text the stream does not hold."""
+def test_tokens_of_a_failed_flush_reach_the_record_with_a_later_one() -> None:
+    """The record never has a gap: a chunk whose write failed waits in the outbox, and tokens
+    not yet due wait in the record's buffer; the feed entries are not sent again."""
     server = EmbeddedRedis()
     url = server.start()
     keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
@@ -259,24 +268,29 @@ def test_a_request_whose_tokens_a_failed_flush_dropped_ends_with_an_error() -> N
         publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
         publisher.take(req, entry_id)
         publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
-        await publisher.flush()
+        await publisher.flush()  # a request's first token is recorded at once
+        assert [decode_result(f) for _, f in r.xrange(keys.out(req.id))] == [Tokens(0, (41,))]
         server.stop()
-        publisher.stage([StepOutput(req.id, 1, 42, None, 3, 2)])  # lost with the flush
+        publisher.record.chunk_tokens = 1  # token 1 is due at once: its chunk fails
+        publisher.stage([StepOutput(req.id, 1, 42, None, 3, 2)])
+        with pytest.raises(aioredis.RedisError):
+            await publisher.flush()
+        publisher.record.chunk_tokens = 16  # token 2 waits for the finish
+        publisher.stage([StepOutput(req.id, 2, 43, None, 3, 3)])
         with pytest.raises(aioredis.RedisError):
             await publisher.flush()
         server = EmbeddedRedis(port=server.port)
         server.start()
         r.xadd(keys.out(req.id), Tokens(0, (41,)).to_fields())  # as it was
-        publisher.stage([StepOutput(req.id, 2, 43, "length", 3, 3)])
+        publisher.stage([StepOutput(req.id, 3, 44, "length", 3, 4)])
         await publisher.flush(batch_now=True)
         await clients.close()
 
     try:
         asyncio.run(run())
-        entries = [decode_result(f) for _, f in r.xrange(keys.out(req.id))]
-        assert entries[0] == Tokens(0, (41,))
-        assert isinstance(entries[-1], Error) and entries[-1].code == "redis_unavailable"
-        assert not any(isinstance(e, Tokens) and e.index == 1 for e in entries)
+        entries = [e for _, f in r.xrange(keys.out(req.id)) for e in expand(decode_result(f))]
+        assert entries == [Tokens(i, (41 + i,)) for i in range(4)] + [Finish("length", 3, 4)]
+        assert r.ttl(keys.out(req.id)) > 0
     finally:
         r.close()
         server.stop()

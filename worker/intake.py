@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -90,8 +91,7 @@ class Intake:
             log.warning("could not read the abort keys of new requests: %s", e)
             aborted = set()
         for c in claimed:
-            self.queue.append(Claimed(c.entry_id, c.request, c.generated, c.ended,
-                                      c.deliveries, c.request.id in aborted))
+            self.queue.append(dataclasses.replace(c, aborted=c.request.id in aborted))
         self.arrived.set()
 
     async def ensure_group(self) -> None:

@@ -2,27 +2,31 @@
 terminal entry is ever lost.
 
 Staged per step, sent by `flush`:
-- each request's new tokens (one XADD each; the first also sets its stream's TTL);
-- ended requests: one entry carrying the last tokens and the finish (or an error), and the
-  short TTL of a finished request on its stream and hash;
 - requests admitted (their state; their queue places were freed by the take itself, see
   worker/take.py);
-- then, per API replica, one feed entry with the new result entries of its requests (see
-  shared/keys.py): its reader reads the whole step in one command;
+- the record chunks that are due (worker/record.py: a request's first token at once, then
+  every 16 tokens or 0.5 s; one XADD each, the first also sets its stream's TTL);
+- ended requests: one entry carrying the unrecorded tokens and the finish (or a chunk, then an
+  error), and the short TTL of a finished request on its stream and hash;
+- then, per API replica, one feed entry with the step's result entries of its requests (see
+  shared/keys.py): its reader reads the whole step in one command, and this is how tokens
+  reach clients as they come;
 - at most every `BATCH_S` (at once when idle): one XACK and one XDEL of every entry ended
   since, so the request stream holds only unfinished work. An entry whose terminal entry is
   written is safe to acknowledge late: a worker that claims it finds the terminal entry and
   only acknowledges it;
 - requests handed back on drain.
-About one command per generated token: that is the budget (see ops/benchmarks/redis_cost.py).
+Commands per generated token are the budget (see ops/benchmarks/redis_cost.py): per step,
+one feed entry per replica, whatever the number of requests; per request, a few chunks.
 
-A flush that fails (Redis went away) keeps what must not be lost: the terminal entries, acks
-and hand-backs go to an outbox that every later flush retries first, until it
+A flush that fails (Redis went away) keeps what must not be lost: the record chunks, terminal
+entries, acks and hand-backs go to an outbox that every later flush retries first, until it
 is written or the request's keys would have expired anyway. A retried terminal entry is added
 only if its stream does not end with one already (a pipeline may have been applied in part),
-so every result stream still ends with exactly one. A request's pending entry stays in
-`entry_ids`, and is kept fresh by the heartbeat, until its terminal entry is written; from
-then on nothing refreshes it.
+so every result stream still ends with exactly one. The feed entries of a failed flush are
+not retried: the record has their tokens, and a replica that missed them reads them there. A
+request's pending entry stays in `entry_ids`, and is kept fresh by the heartbeat, until its
+terminal entry is written; from then on nothing refreshes it.
 """
 
 from __future__ import annotations
@@ -36,17 +40,21 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared.keys import WORKER_GROUP, Keys, replica_of
-from shared.messages import Error, Finish, GenerateRequest, RequestHash, Tokens, feed_fields
+from shared.messages import (
+    Error,
+    Finish,
+    GenerateRequest,
+    RequestHash,
+    Tokens,
+    feed_fields,
+    feed_min_id,
+)
 from shared.settings import Settings
 from worker.engine import StepOutput
 from worker.metrics import Clock, WorkerMetrics
+from worker.record import Record
 
 BATCH_S = 0.5
-RESULTS_LOST = Error("some of the request's results were lost when Redis failed",
-                     "server_error", "redis_unavailable")
-# Feed entries kept per replica (one per worker step): its reader reads every step, so this
-# is tens of seconds of slack even with many busy workers.
-FEED_MAXLEN = 10_000
 
 # KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON).
 _TERMINAL_ONCE = """
@@ -77,11 +85,12 @@ class Ending:
     """A request's terminal entry, until Redis has it."""
 
     request_id: str
-    entry: Finish | Error
+    entry: Finish | Error  # for the record: a finish carries every unrecorded token
+    live: Finish | Error  # for the feed: a finish carries only its step's token
     expires: float  # unix time past which its keys are gone anyway: stop retrying
     clock: Clock | None = None  # its times, observed once it is written
 
-    @cached_property  # read by the stream's XADD and by its feed entry: encoded once
+    @cached_property  # read by the stream's XADD, and by the feed on a retry: encoded once
     def fields(self) -> dict[str, str]:
         return self.entry.to_fields()
 
@@ -93,18 +102,21 @@ class Ending:
 
 @dataclass
 class Staged:
-    tokens: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    live: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # feed only
+    records: list[tuple[str, Tokens]] = field(default_factory=list)  # result streams only
     running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
     endings: list[Ending] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # request-stream entry ids
     hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
 
     def __bool__(self) -> bool:
-        return any((self.tokens, self.running, self.endings, self.acks, self.hand_backs))
+        return any((self.live, self.records, self.running, self.endings, self.acks,
+                    self.hand_backs))
 
     def keep_for_retry(self, outbox: Staged) -> None:
-        """What a failed flush must not lose; token entries and states are dropped (their
-        requests end with an error: see `Publisher.gapped`)."""
+        """What a failed flush must not lose; feed entries and states are dropped (the
+        record has the tokens; the requests end with an error)."""
+        outbox.records += self.records
         outbox.endings += self.endings
         outbox.acks += self.acks
         outbox.hand_backs += self.hand_backs
@@ -125,9 +137,7 @@ class Publisher:
         self._expires: dict[str, float] = {}
         # Requests whose result stream exists already (and so carries its TTL).
         self._streams: set[str] = set()
-        # Requests whose tokens a failed flush dropped: their streams have a gap, so they end
-        # with an error, never with a finish the client could not read up to.
-        self.gapped: set[str] = set()
+        self.record = Record()
         self._staged = Staged()
         self._outbox = Staged()
         self._batch = Staged()  # acks, sent every BATCH_S
@@ -139,14 +149,19 @@ class Publisher:
         """Terminal entries waiting for Redis."""
         return len(self._outbox.endings)
 
-    def take(self, request: GenerateRequest, entry_id: str) -> None:
-        """A request taken from the queue: remember its entry."""
+    def take(self, request: GenerateRequest, entry_id: str,
+             unrecorded: Tokens | None = None) -> None:
+        """A request taken from the queue: remember its entry. `unrecorded`: the tokens a
+        dead worker published to the feed but not yet to the record, which it gets now."""
         self.entry_ids[request.id] = entry_id
         self._expires[request.id] = request.created + self.settings.request_ttl_s
+        if unrecorded is not None:
+            self._staged.records.append((request.id, unrecorded))
 
     def stage_ack(self, request_id: str) -> None:
         """Acknowledge a request that already ended elsewhere (its terminal entry exists)."""
         self._expires.pop(request_id, None)
+        self.record.take(request_id)
         self._batch.acks.append(self.entry_ids.pop(request_id))
 
     def stage_hand_back(self, request_id: str) -> None:
@@ -154,11 +169,13 @@ class Publisher:
         marked idle past the reclaim threshold. Unlike a re-added copy this is safe to
         repeat, and a request that already published tokens resumes from them."""
         self._expires.pop(request_id, None)
+        self._stage_rest(request_id)  # the next worker resumes from the record
         self._staged.hand_backs.append((request_id, self.entry_ids.pop(request_id)))
         if self.metrics is not None:
             self.metrics.hand_back(request_id)
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
             if out.error is not None:
                 self.stage_error(out.request_id, out.error)
@@ -168,15 +185,25 @@ class Publisher:
                 logprobs = (out.logprob,) if out.logprob is not None else None
                 queued_ms = None if out.queued_s is None else round(out.queued_s * 1000)
                 tokens = Tokens(out.index, (out.token,), logprobs, queued_ms)
+                self.record.add(out.request_id, tokens, now)
             if out.finish is None:
                 if tokens is not None:
-                    self._xadd(out.request_id, tokens.to_fields())
+                    self._staged.live.append((out.request_id, tokens.to_fields()))
                 continue
-            self._end(out.request_id, Finish(out.finish, out.prompt_tokens,
-                                             out.completion_tokens, out.cached_tokens, tokens))
+            rid = out.request_id
+            counts = out.prompt_tokens, out.completion_tokens, out.cached_tokens
+            self._end(rid, Finish(out.finish, *counts, self.record.take(rid)),
+                      Finish(out.finish, *counts, tokens))
 
     def stage_error(self, request_id: str, error: Error) -> None:
-        self._end(request_id, error)
+        self._stage_rest(request_id)
+        self._end(request_id, error, error)
+
+    def _stage_rest(self, request_id: str) -> None:
+        """A request's unrecorded tokens, into its record now."""
+        rest = self.record.take(request_id)
+        if rest is not None:
+            self._staged.records.append((request_id, rest))
 
     def stage_running(self, request_id: str) -> None:
         self._staged.running.append((request_id, self.name))
@@ -192,6 +219,7 @@ class Publisher:
         for the next flush, and the error is raised."""
         staged, self._staged = self._staged, Staged()
         now = time.monotonic()
+        staged.records += self.record.due(now)
         if batch_now or now - self._batch_sent >= BATCH_S:
             staged.acks += self._batch.acks
             self._batch, self._batch_sent = Staged(), now
@@ -209,14 +237,13 @@ class Publisher:
             self._failed(staged)
             raise
         if self.metrics is not None:
-            self.metrics.published((request_id for request_id, _ in staged.tokens),
+            self.metrics.published((request_id for request_id, _ in staged.live),
                                    time.time())
         self._written(staged.endings)
         if batch_now and self._batch:  # what those endings freed, now rather than later
             await self.flush(batch_now=True)
 
     def _failed(self, staged: Staged) -> None:
-        self.gapped |= {request_id for request_id, _ in staged.tokens}
         staged.keep_for_retry(self._outbox)
         self.lost_streams()
 
@@ -226,6 +253,7 @@ class Publisher:
         gone = {rid for rid, eid in self.entry_ids.items() if eid in taken}
         self.entry_ids = {rid: eid for rid, eid in self.entry_ids.items() if rid not in gone}
         self._outbox.endings = [e for e in self._outbox.endings if e.request_id not in gone]
+        self._outbox.records = [r for r in self._outbox.records if r[0] not in gone]
 
     async def _send(self, staged: Staged) -> None:
         ttl = self.settings.request_ttl_s
@@ -234,12 +262,7 @@ class Publisher:
             state_key = self.keys.state(request_id)
             pipe.hset(state_key, mapping=RequestHash.running(worker))  # type: ignore[arg-type]
             pipe.expire(state_key, ttl)
-        for request_id, fields in staged.tokens:
-            out_key = self.keys.out(request_id)
-            pipe.xadd(out_key, fields)  # type: ignore[arg-type]
-            if request_id not in self._streams:
-                self._streams.add(request_id)
-                pipe.expire(out_key, ttl)
+        self._stage_records(pipe, staged.records)
         finished_ttl = self.settings.finished_ttl_s
         for ending in staged.endings:
             self._streams.discard(ending.request_id)
@@ -249,10 +272,20 @@ class Publisher:
             pipe.expire(out_key, finished_ttl)
             pipe.hset(state_key, mapping=ending.state)  # type: ignore[arg-type]
             pipe.expire(state_key, finished_ttl)
-        self._stage_feeds(pipe, [*staged.tokens, *((e.request_id, e.fields)
-                                                  for e in staged.endings)])
+        self._stage_feeds(pipe, [*staged.live, *((e.request_id, e.live.to_fields())
+                                                for e in staged.endings)])
         self._stage_acks(pipe, staged)
         await pipe.execute()
+
+    def _stage_records(self, pipe: aioredis.client.Pipeline,
+                       records: list[tuple[str, Tokens]]) -> None:
+        ttl = self.settings.request_ttl_s
+        for request_id, tokens in records:
+            out_key = self.keys.out(request_id)
+            pipe.xadd(out_key, tokens.to_fields())  # type: ignore[arg-type]
+            if request_id not in self._streams:
+                self._streams.add(request_id)
+                pipe.expire(out_key, ttl)
 
     def _stage_feeds(self, pipe: aioredis.client.Pipeline,
                      entries: list[tuple[str, dict[str, str]]]) -> None:
@@ -260,6 +293,7 @@ class Publisher:
         for a request with two entries in this batch). NOMKSTREAM: a replica that is gone
         has no feed, and none is made for it."""
         feeds: dict[str, list[dict[str, dict[str, str]]]] = {}
+        min_id = feed_min_id(time.time())
         for request_id, fields in entries:
             batches = feeds.setdefault(replica_of(request_id), [{}])
             if request_id in batches[-1]:
@@ -268,7 +302,7 @@ class Publisher:
         for replica, batches in feeds.items():
             for batch in batches:
                 pipe.xadd(self.keys.feed(replica), feed_fields(batch),  # type: ignore[arg-type]
-                          maxlen=FEED_MAXLEN, approximate=True, nomkstream=True)
+                          minid=min_id, approximate=True, nomkstream=True)
 
     def _stage_acks(self, pipe: aioredis.client.Pipeline, staged: Staged) -> None:
         for batch in _chunks(staged.acks):
@@ -288,6 +322,11 @@ class Publisher:
         for ending in expired:  # its keys are gone by now: nothing left to end
             self.entry_ids.pop(ending.request_id, None)
         outbox.endings = [e for e in outbox.endings if e.expires >= now]
+        if outbox.records:  # before the terminal entries that follow them
+            pipe = self.redis.pipeline(transaction=False)
+            self._stage_records(pipe, outbox.records)
+            await pipe.execute()
+            outbox.records = []
         # One script call each (a rare path; a Cluster pipeline cannot carry scripts), then
         # the feed learns of those that were added.
         added = []
@@ -320,16 +359,10 @@ class Publisher:
                     self.metrics.ended(ending.request_id, ending.clock, entry.code, None, False,
                                        now)
 
-    def _xadd(self, request_id: str, fields: dict[str, str]) -> None:
-        self._staged.tokens.append((request_id, fields))
-
-    def _end(self, request_id: str, entry: Finish | Error) -> None:
-        if request_id in self.gapped:
-            self.gapped.discard(request_id)
-            entry = RESULTS_LOST
+    def _end(self, request_id: str, entry: Finish | Error, live: Finish | Error) -> None:
         clock = None if self.metrics is None else self.metrics.ending(request_id)
         expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
-        self._staged.endings.append(Ending(request_id, entry, expires, clock))
+        self._staged.endings.append(Ending(request_id, entry, live, expires, clock))
 
 
 def _chunks(items: list[str], size: int = 512) -> list[list[str]]:

@@ -9,12 +9,15 @@ the group's pending list with its cursor across calls, so a long list is covered
 than its head over and over, then XCLAIM with the same idle bound, so two workers never both
 claim one). Entries pending under the queue's consumer (`QUEUED_CONSUMER`) are requests still
 waiting in the queue, not abandoned ones: recovery leaves them to the take script
-(worker/take.py) and resumes each request from its prompt plus the tokens already in its
-result stream: those are prefilled, not generated again, so the client sees neither a gap nor a
-repeat, and seeded sampling continues where it was (the seed of each token depends only on its
-position). A worker restarted under the same name (as `redserve up` restarts them) takes back
-its own pending entries at once. A request delivered too many times ends with an error entry
-instead of taking down worker after worker.
+(worker/take.py) and resumes each request from its prompt plus the tokens its client may have
+seen: those in its result stream, then those its dead worker had sent only to the replica's
+feed (the record trails the feed by up to a chunk: worker/record.py), read back from the feed
+after the record's last entry and recorded by the new worker. They are prefilled, not
+generated again, so the client sees neither a gap nor a repeat, and seeded sampling continues
+where it was (the seed of each token depends only on its position). A worker restarted under
+the same name (as `redserve up` restarts them) takes back its own pending entries at once. A
+request delivered too many times ends with an error entry instead of taking down worker after
+worker.
 """
 
 from __future__ import annotations
@@ -26,14 +29,27 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
-from shared.messages import Error, GenerateRequest, Tokens, decode_result, expand, is_terminal
+from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys, replica_of
+from shared.messages import (
+    Error,
+    GenerateRequest,
+    Tokens,
+    decode_feed,
+    decode_result,
+    expand,
+    is_terminal,
+)
 from shared.redis_conn import StreamEntries, stream_reply
 
 log = logging.getLogger("redserve.worker")
 
 # Pending entries looked at per claim: queued ones among them are skipped.
 PAGE = 100
+# The feed read after a record's last entry: from a little before it (another key's ids may
+# run a little ahead), to well past the next chunk its dead worker would have written.
+FEED_BEFORE_MS = 2_000
+FEED_AFTER_MS = 30_000
+FEED_PAGE = 1_000
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,7 @@ class Claimed:
     ended: bool  # its result stream already holds a terminal entry
     deliveries: int
     aborted: bool = False  # its abort key is set (filled in at intake)
+    unrecorded: Tokens | None = None  # the end of `generated` found only in the feed
 
 
 class Recovery:
@@ -145,7 +162,35 @@ class Recovery:
             for entry in expand(decode_result(fields)):
                 if isinstance(entry, Tokens) and entry.index == len(generated):
                     generated.extend(entry.ids)
-        return Claimed(entry_id, request, tuple(generated), ended, deliveries)
+        unrecorded = None
+        if results and not ended:
+            unrecorded = await self._feed_tail(request.id, results[-1][0], len(generated))
+            generated.extend(unrecorded.ids if unrecorded else ())
+        return Claimed(entry_id, request, tuple(generated), ended, deliveries,
+                       unrecorded=unrecorded)
+
+    async def _feed_tail(self, request_id: str, record_end: bytes,
+                         index: int) -> Tokens | None:
+        """The request's tokens from `index` on that its replica's feed holds after the
+        record's last entry (written before them, in the same pipeline)."""
+        end_ms = int(record_end.split(b"-")[0])
+        start, stop = f"{end_ms - FEED_BEFORE_MS}-0", f"{end_ms + FEED_AFTER_MS}-0"
+        feed, key = self.keys.feed(replica_of(request_id)), request_id.encode()
+        found: list[Tokens] = []
+        while True:
+            page = cast(StreamEntries, await self.redis.xrange(feed, start, stop,
+                                                               count=FEED_PAGE))
+            for _, fields in page:
+                if key not in fields.get(b"d", b""):
+                    continue
+                entry = decode_feed(fields).get(request_id)
+                for part in expand(decode_result(entry)) if entry else ():
+                    if isinstance(part, Tokens) and part.index == index + len(found):
+                        found.append(part)
+            if len(page) < FEED_PAGE:
+                break
+            start = f"({page[-1][0].decode()}"
+        return Tokens.joined(found) if found else None
 
 
 def too_many_deliveries(claimed: Claimed, limit: int) -> Error | None:

@@ -149,7 +149,7 @@ class WorkerService:
         for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
             self.publisher.stage_error(seq.request.id, LOST_REDIS)
         for claimed in self.intake.take():
-            self.publisher.take(claimed.request, claimed.entry_id)
+            self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
             self.publisher.stage_error(claimed.request.id, LOST_REDIS)
         backoff = RedisBackoff("Redis still unavailable", start=0.2, cap=5.0, log=log)
         while not self.stopping.is_set():  # stopping: the shutdown tries one last time
@@ -242,7 +242,7 @@ class WorkerService:
     def _admit(self, intake: list[Claimed]) -> None:
         for claimed in intake:
             req, generated = claimed.request, claimed.generated
-            self.publisher.take(req, claimed.entry_id)
+            self.publisher.take(req, claimed.entry_id, claimed.unrecorded)
             if claimed.deliveries == 1:  # charged to its tenant by the take
                 self.metrics.served(req.tenant, "prompt", len(req.prompt_ids))
             if claimed.ended:  # its worker died between the terminal entry and the XACK
@@ -297,7 +297,7 @@ class WorkerService:
         with contextlib.suppress(Exception):
             await intake
         for claimed in self.intake.take():
-            self.publisher.take(claimed.request, claimed.entry_id)
+            self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
             self.publisher.stage_hand_back(claimed.request.id)
         for seq in self.engine.drop_waiting(unstarted_only=True):
             self.publisher.stage_hand_back(seq.request.id)
@@ -309,7 +309,7 @@ class WorkerService:
             except aioredis.RedisError as e:
                 await self._ride_out_outage(e)
         for claimed in self.intake.take():  # claimed from a dead worker as the drain began
-            self.publisher.take(claimed.request, claimed.entry_id)
+            self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
             self.publisher.stage_hand_back(claimed.request.id)
         with contextlib.suppress(aioredis.RedisError):
             await self.publisher.flush(batch_now=True)

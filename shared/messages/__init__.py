@@ -11,10 +11,13 @@ Result stream entries (one stream per request, read by the API replica that owns
     kind=error   type=<error type>  code=<code>  message=<text>
 Feed entry (one per worker step per replica, see `shared.keys`): `d=<JSON {<request id>: that
 request's result entry fields}>` for each of the replica's requests the step produced.
-Exactly one `finish` or `error` entry ends every result stream. A finish entry may carry the
-tokens of the step that ended the request (one XADD instead of two: Redis commands per token
-are the budget), read as a tokens entry followed by the finish (`expand`). Flat string fields
-keep the streams readable with plain `redis-cli XRANGE`.
+Exactly one `finish` or `error` entry ends every result stream. The result stream is the
+record, written in chunks (a request's first token at once, then every 16 tokens or 0.5 s:
+worker/record.py); the feed is the live path, one entry per step, kept `FEED_RETENTION_S`. A
+finish entry carries the tokens not yet recorded (one XADD instead of two: Redis commands per
+token are the budget), read as a tokens entry followed by the finish (`expand`); a streamed
+reply renders one token at a time, so its events do not depend on the chunks. Flat string
+fields keep the streams readable with plain `redis-cli XRANGE`.
 
 Request hash (`RequestField` names its fields, `RequestHash` writes and reads them): written in
 parts, by the replica that accepts the request and by the worker that runs it; read by any
@@ -34,6 +37,7 @@ from shared.messages.placement import PrefixSummary
 from shared.messages.queue import MEMBER_LUA, QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.results import (
+    FEED_RETENTION_S,
     Error,
     Finish,
     ResultEntry,
@@ -43,16 +47,16 @@ from shared.messages.results import (
     decode_result,
     expand,
     feed_fields,
+    feed_min_id,
     is_terminal,
     queue_timeout,
 )
 from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
-    "BUCKET_TTL_MS", "MEMBER_LUA", "WINDOW_MS", "Bucket", "BucketField", "Error", "Finish",
-    "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary", "QueueMember",
-    "RequestField",
-    "RequestHash", "RequestState", "ResultEntry", "SamplingParams", "ServiceCounters",
-    "TokenLogprob", "Tokens",
-    "decode_feed", "decode_result", "expand", "feed_fields", "is_terminal", "queue_timeout",
+    "BUCKET_TTL_MS", "FEED_RETENTION_S", "MEMBER_LUA", "WINDOW_MS", "Bucket", "BucketField",
+    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary",
+    "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
+    "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",
+    "decode_result", "expand", "feed_fields", "feed_min_id", "is_terminal", "queue_timeout",
 ]

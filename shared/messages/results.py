@@ -1,5 +1,10 @@
 """A request's result entries (its result stream and its replica's feed): tokens, then
-exactly one finish or error. Flat string fields, so `redis-cli XRANGE` reads them."""
+exactly one finish or error. Flat string fields, so `redis-cli XRANGE` reads them.
+
+The feed carries every step's tokens as they come; the result stream is the record, written in
+chunks (worker/record.py), so one entry there may hold many tokens. A streamed reply renders
+one token at a time (`Tokens.split`), so its events are the same from either.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,29 @@ class Tokens:
         if self.queued_ms is not None:
             fields["queued_ms"] = str(self.queued_ms)
         return fields
+
+    @property
+    def end(self) -> int:
+        """The index just past these tokens."""
+        return self.index + len(self.ids)
+
+    def split(self) -> list[Tokens]:
+        """One entry per token (the first keeps `queued_ms`)."""
+        if len(self.ids) == 1:
+            return [self]
+        return [Tokens(self.index + i, (token,),
+                       None if self.logprobs is None else (self.logprobs[i],),
+                       self.queued_ms if i == 0 else None)
+                for i, token in enumerate(self.ids)]
+
+    @classmethod
+    def joined(cls, parts: list[Tokens]) -> Tokens:
+        """Consecutive entries as one (logprobs kept only if every part has them)."""
+        logprobs = None
+        if all(p.logprobs is not None for p in parts):
+            logprobs = tuple(lp for p in parts for lp in p.logprobs or ())
+        return cls(parts[0].index, tuple(t for p in parts for t in p.ids), logprobs,
+                   parts[0].queued_ms)
 
 
 @dataclass(frozen=True)
@@ -71,6 +99,18 @@ def _tokens(f: dict[str, str]) -> Tokens:
                          for lp, top in orjson.loads(f["logprobs"]))
     queued_ms = int(f["queued_ms"]) if "queued_ms" in f else None
     return Tokens(index=int(f["index"]), ids=ids, logprobs=logprobs, queued_ms=queued_ms)
+
+
+# How long a replica's feed keeps its entries (trimmed by entry id, i.e. time). The feed holds
+# the tokens not yet in a request's record: what a worker taking over a dead worker's request
+# reads back (worker/recovery.py), so this spans the takeover delay (twice the heartbeat TTL)
+# many times over.
+FEED_RETENTION_S = 120
+
+
+def feed_min_id(now: float) -> str:
+    """The XADD MINID that keeps `FEED_RETENTION_S` of a feed."""
+    return f"{int((now - FEED_RETENTION_S) * 1000)}-0"
 
 
 def feed_fields(entries: dict[str, dict[str, str]]) -> dict[str, str]:
