@@ -170,6 +170,44 @@ def test_prefix_cache_reports_reuse_and_evicts_least_recently_used() -> None:
     _assert_pages_back(engine)
 
 
+def test_requests_arriving_with_a_new_shared_prefix_compute_it_once() -> None:
+    """The second waits while the first computes the pages they share, then takes them from
+    the cache; a request sharing nothing with them is not held."""
+    model = _tiny("llama")
+    engine = _engine(model, step_tokens=16)
+    shared = list(range(300, 340))  # 10 full pages, three steps of prefill
+    first, second = _request(0, [*shared, 1, 2], 4), _request(1, [*shared, 7, 8, 9], 4)
+    other = _request(2, [5, 6, 7], 4)
+    for request in (first, second, other):
+        engine.add(request)
+    outputs = engine.step()
+    assert set(engine.running) == {"t-0"}  # the budget went to the first prompt alone
+    while engine.has_work():
+        outputs += engine.step()
+    ends = {o.request_id: o for o in outputs if o.finish}
+    assert ends["t-1"].cached_tokens == 40 and ends["t-0"].cached_tokens == 0
+    tokens = {r.id: [o.token for o in outputs if o.request_id == r.id]
+              for r in (first, second, other)}
+    assert tokens["t-1"] == _hf_greedy(model, [*shared, 7, 8, 9], 4)
+    assert tokens["t-0"] == _hf_greedy(model, [*shared, 1, 2], 4)
+    _assert_pages_back(engine)
+
+
+def test_a_held_request_lets_the_one_behind_it_start() -> None:
+    model = _tiny("llama")
+    engine = _engine(model, step_tokens=64)
+    shared = list(range(300, 340))
+    for request in (_request(0, [*shared, 1], 2), _request(1, [*shared, 2], 2),
+                    _request(2, [5, 6, 7], 2)):
+        engine.add(request)
+    engine.step()
+    assert set(engine.running) == {"t-0", "t-2"}
+    assert [s.request.id for s in engine.waiting] == ["t-1"]
+    while engine.has_work():
+        engine.step()
+    _assert_pages_back(engine)
+
+
 def engine_outputs(engine: Engine, request: GenerateRequest) -> list:  # type: ignore[type-arg]
     engine.add(request)
     outputs = []

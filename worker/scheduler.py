@@ -16,7 +16,12 @@ engine is left with running a plan and sampling from its logits.
 2. the next chunk of every request still in prefill, under the per-step token budget, so a
    long prompt delays running decodes by one chunk at most;
 3. new requests from the queue, while the budget, the running cap and the free pages allow;
-   each first takes whatever full pages of its prompt the prefix cache holds.
+   each first takes whatever full pages of its prompt the prefix cache holds. A request whose
+   next page another request of its tenant is computing (one that runs in this step) is held
+   back (it keeps its place at the head of the queue, and those behind it may go first) and
+   takes the page from the cache once computed: requests arriving together with a new shared
+   prefix (placement sends them to one worker: api/placement.py) compute it once, not once
+   each.
 The engine runs the plan's chunks in one forward pass, then calls `mark_computed` (the chunks'
 KV is now in their pages: full pages are published to the prefix cache) and `finish` for every
 request that ended.
@@ -227,6 +232,7 @@ class Scheduler:
                 scheduled.append((seq, n))
                 busy.add(id(seq))
                 budget -= n
+        held: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             if not seq.pages:
@@ -234,6 +240,10 @@ class Scheduler:
                 seq.num_computed = len(seq.pages) * self.pages.page_size
                 if not seq.admitted:
                     seq.num_cached = min(seq.num_computed, seq.num_prompt)
+            if self._next_page_in_step(seq, scheduled):
+                self._release(seq)
+                held.append(self.waiting.popleft())
+                continue
             # Admit only a prompt whose every page is free now, so that half-done prompts
             # don't crowd each other out; its first chunk may still be smaller.
             if self.pages.pages_for(len(seq.tokens)) - len(seq.pages) > self.pages.available:
@@ -249,7 +259,20 @@ class Scheduler:
             self.running[seq.request.id] = seq
             scheduled.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return scheduled
+
+    def _next_page_in_step(self, seq: Sequence, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether a request that runs in this step is computing the first page `seq` lacks
+        (same tenant, same tokens up to that page's end): a page `seq` would compute again.
+        That request progresses every step it runs, so `seq` waits a few steps at most."""
+        end = (len(seq.pages) + 1) * self.pages.page_size
+        if end >= len(seq.tokens):  # no full page left to share: its last token always runs
+            return False
+        head = seq.tokens[:end]
+        return any(other.cache_root == seq.cache_root and other.num_computed < end
+                   <= len(other.tokens) and other.tokens[:end] == head
+                   for other, _ in scheduled)
 
     def _fit(self, seq: Sequence, n: int) -> int:
         """Reserve pages for up to `n` more tokens of `seq`; returns how many fit."""
