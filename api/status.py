@@ -1,5 +1,5 @@
 """What a replica says about itself and the workers behind it: /health, /ready, /v1/models,
-/metrics.
+/metrics, and /queue/<model> (what an autoscaler reads: see ops/k8s/autoscale/keda.yaml).
 
 Workers announce themselves in their model's live set (see worker/presence.py), scored by when
 their heartbeat expires; a worker that stops beating drops out of every answer here once its
@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.context import AppContext
 from api.errors import APIError
+from api.metrics import QueueDepths
 from api.responses import json_response
 from shared.messages import Heartbeat
 
@@ -136,3 +137,24 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(await _ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/queue/{model}")
+async def queue(request: Request, model: str) -> dict[str, Any]:
+    """How many of the model's requests wait for a worker: KEDA's metrics-api trigger reads
+    `waiting` (the consumer group's lag cannot tell: waiting requests are pending under the
+    queue's consumer, see worker/take.py). Like /metrics, it names no tenant or request."""
+    ctx = _ctx(request)
+    if model not in ctx.models:
+        raise APIError(404, f"The model {model!r} does not exist", code="model_not_found",
+                       param="model")
+    depths = QueueDepths(ctx.clients.commands, {model: ctx.keys.queued(model)},
+                         ctx.settings.queue_timeout_s)
+    try:
+        waiting = (await depths.read())[model]
+    except aioredis.RedisError as e:
+        log.warning("queue: Redis unreachable: %s", e)
+        raise APIError(503, "the queue depth is unavailable; retry shortly",
+                       type="server_error", code="redis_unavailable",
+                       headers={"Retry-After": "1"}) from e
+    return {"model": model, "waiting": waiting}

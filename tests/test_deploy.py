@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.keys import WORKER_GROUP, Keys
+from shared.keys import Keys
 from shared.settings import Settings
 from tests.kustomize import KustomizeError, render
 
@@ -305,7 +305,7 @@ def test_the_rendering_is_what_kubectl_kustomize_builds(directory: Path) -> None
     assert built == _manifests(directory)
 
 
-def test_workers_scale_from_zero_on_their_models_request_stream() -> None:
+def test_workers_scale_from_zero_on_their_models_queue() -> None:
     docs = _manifests(AUTOSCALE)
     settings = _settings(docs)
     # A request taken while no worker runs waits through a cold start (schedule, pull, load).
@@ -320,22 +320,32 @@ def test_workers_scale_from_zero_on_their_models_request_stream() -> None:
     assert scaled["minReplicaCount"] == 0 < scaled["maxReplicaCount"]
 
     triggers = {t["name"]: t for t in scaled["triggers"]}
-    stream = Keys(settings.key_prefix).requests(settings.model)  # the default model's name
-    assert all(t["type"] == "redis-streams" and t["metadata"]["stream"] == stream
-               for t in triggers.values())
-    waiting = triggers["waiting"]["metadata"]
-    assert waiting["consumerGroup"] == WORKER_GROUP
-    assert int(waiting["lagCount"]) >= 1 and int(waiting["activationLagCount"]) == 0
+    assert set(triggers) == {"waiting", "outstanding"}
+    # Waiting requests, from the API Service (api/status.py's /queue/<model>): the group's lag
+    # reads 0 while requests wait under the queue's consumer.
+    waiting = triggers["waiting"]
+    assert waiting["type"] == "metrics-api"
+    service = docs[("Service", "redserve-api")]
+    queue_url = urlsplit(waiting["metadata"]["url"])
+    assert queue_url.hostname == f"{service['metadata']['name']}.default.svc"
+    assert (queue_url.port or 80) == service["spec"]["ports"][0]["port"]
+    assert queue_url.path == f"/queue/{settings.model}"
+    assert waiting["metadata"]["valueLocation"] == "waiting"
+    assert int(waiting["metadata"]["targetValue"]) >= 1
+    assert int(waiting["metadata"]["activationTargetValue"]) == 0  # one request wakes a worker
     # Without a consumerGroup KEDA reads the stream's length (with one, the pending entries).
-    outstanding = triggers["outstanding"]["metadata"]
-    assert "consumerGroup" not in outstanding
-    assert 1 <= int(outstanding["streamLength"]) <= settings.max_running
-    assert int(outstanding["activationLagCount"]) == 0  # busy workers are never scaled away
+    outstanding = triggers["outstanding"]
+    stream = Keys(settings.key_prefix).requests(settings.model)  # the default model's name
+    assert outstanding["type"] == "redis-streams"
+    assert outstanding["metadata"]["stream"] == stream
+    assert "consumerGroup" not in outstanding["metadata"]
+    assert 1 <= int(outstanding["metadata"]["streamLength"]) <= settings.max_running
+    assert int(outstanding["metadata"]["activationLagCount"]) == 0  # busy workers stay
 
     # KEDA reaches the Redis of REDIS_URL, through the Secret that holds it.
     secret = docs[("Secret", "redserve-redis")]["stringData"]
     url = urlsplit(secret["REDIS_URL"])
-    for trigger in triggers.values():
+    for trigger in [outstanding]:
         assert trigger["metadata"]["databaseIndex"] == (url.path.strip("/") or "0")
         auth = docs[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
         refs = {ref["parameter"]: ref for ref in auth["spec"]["secretTargetRef"]}

@@ -332,3 +332,32 @@ def test_sigterm_lets_the_worker_finish_running_and_hand_back_the_rest(
         assert eventually(lambda: sync_redis.xlen(stream) == 0)
     finally:
         stack.stop()
+
+
+# --- what the autoscaler reads ----------------------------------------------------------------
+
+def test_the_queue_endpoint_counts_requests_no_worker_took(
+    redis_url: str, tiny_model: Path, sync_redis: redis.Redis
+) -> None:
+    """KEDA's metrics-api trigger (ops/k8s/autoscale/keda.yaml) reads `waiting` here: with no
+    worker, a request waits and is counted (the group's lag reads 0: it is pending under the
+    queue's consumer)."""
+    stack = _api_only(redis_url, tiny_model, "1")
+    keys = Keys(stack.prefix)
+    url = f"{stack.base_url}/queue/{MODEL}"
+    try:
+        assert httpx.get(url).json() == {"model": MODEL, "waiting": 0}
+        thread = threading.Thread(target=lambda: httpx.post(
+            f"{stack.base_url}/v1/completions", json=LONG, timeout=30))
+        thread.start()
+        [request] = queued_requests(sync_redis, keys.requests(MODEL), 1)
+        assert httpx.get(url).json() == {"model": MODEL, "waiting": 1}
+        [group] = sync_redis.xinfo_groups(keys.requests(MODEL))
+        assert group["lag"] == 0
+        assert httpx.post(f"{stack.base_url}/v1/requests/{request.id}/cancel").status_code == 200
+        thread.join(10)
+        missing = httpx.get(f"{stack.base_url}/queue/no-such-model")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+    finally:
+        stack.stop()
