@@ -3,7 +3,7 @@ prompts, placed at random and then by prefix (api/placement.py), side by side in
 
     python -m ops.benchmarks.placement [--model M] [--prompts 8] [--requests 64]
                               [--prefix-tokens 1000] [--max-tokens 8] [--threads 1]
-                              [--concurrency 8]
+                              [--concurrency 8] [--kv-cache-memory BYTES]
 
 Starts its own Valkey; for each mode (`random`, then `prefix`) a fresh `redserve api
 --placement <mode>` and two fresh `redserve worker --threads 1` (empty prefix caches, one core
@@ -15,7 +15,11 @@ new prefix in one step and computes it for each, which blurs what placement save
 Per mode: TTFT (send to first text chunk) p50/p90, and the prefill tokens the workers
 computed: the sum of prompt_tokens - prompt_tokens_details.cached_tokens of every reply's
 usage, and the tokens each worker generated.
-Targets: prefix / random <= 0.5 for TTFT p50 and <= 0.6 for prefill tokens.
+Targets: prefix / random <= 0.5 for TTFT p50 and <= 0.6 for prefill tokens. With the default
+KV pool each worker holds every system prompt, so random placement computes each only twice
+and most requests hit a cache either way; `--kv-cache-memory` smaller than the prompts
+together (e.g. 120e6 for SmolLM2's 8 x 1000 tokens, ~4 of them a worker) is the case placement
+is for: what no single worker can hold, two can between them.
 Prompts are token ids below 10,000, so any model with a vocabulary that large will do.
 """
 
@@ -84,6 +88,8 @@ class Stack:
         self.logs = Path(tempfile.mkdtemp(prefix=f"bench-place-{mode}-"))
         self._files: list[IO[bytes]] = []
         threads = ["--threads", str(args.threads), "--decode-threads", str(args.threads)]
+        if args.kv_cache_memory:
+            threads += ["--kv-cache-memory", f"{args.kv_cache_memory:g}"]
         self.procs = [self._spawn(f"worker-{i}", ["worker", *threads]) for i in range(WORKERS)]
         self.procs.append(self._spawn("api", ["api", "--host", "127.0.0.1", "--port",
                                               str(self.port), "--placement", mode]))
@@ -191,6 +197,10 @@ def main() -> None:
                     "sent at once)")
     ap.add_argument("--rate", type=float, default=0.0,
                     help="Poisson arrivals, requests/s (default 0: --concurrency clients)")
+    ap.add_argument("--kv-cache-memory", type=float, default=None,
+                    help="each worker's KV pool in bytes (default: the worker's, 1 GiB, which "
+                    "holds every system prompt: then random placement computes each only "
+                    "once per worker)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
@@ -200,10 +210,12 @@ def main() -> None:
     try:
         model = resolve_model(args.model, Settings().cache_dir)
         console.print(describe())
+        pool = (f"{args.kv_cache_memory / 2**20:.0f} MiB" if args.kv_cache_memory
+                else "the default")
         console.print(f"model: {model.name} ({model.path}); {WORKERS} workers, --threads "
-                      f"{args.threads}; {args.prompts} system prompts of {args.prefix_tokens} "
-                      f"tokens shared by {args.requests} requests (+{SUFFIX_TOKENS} tokens "
-                      f"each), {args.max_tokens} tokens a reply, "
+                      f"{args.threads}, KV pool {pool}; {args.prompts} system prompts of "
+                      f"{args.prefix_tokens} tokens shared by {args.requests} requests "
+                      f"(+{SUFFIX_TOKENS} tokens each), {args.max_tokens} tokens a reply, "
                       + (f"{args.rate:g} a second (Poisson)" if args.rate
                          else f"{args.concurrency or 'all'} at a time"))
         burst = prompts(args)
