@@ -9,10 +9,20 @@ from typing import Any
 
 from api.choices import Choice, chat_logprobs, text_logprobs
 from api.responses import ReplyHeader, usage
+from shared.messages import Tokens
 
 
 async def entries(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Any]]:
-    """Every choice's result entries as they arrive, interleaved."""
+    """Every choice's result entries as they arrive, interleaved, one token an entry: a reply
+    is then the same whether its tokens came one a step from the feed or in chunks from the
+    record (a client that fell behind, a resumed stream: api/resume.py), its SSE events and
+    where a stop string cuts it alike."""
+    async for choice, entry in _interleaved(choices):
+        for part in entry.split() if isinstance(entry, Tokens) else (entry,):
+            yield choice, part
+
+
+async def _interleaved(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Any]]:
     if len(choices) == 1:
         async for entry in choices[0].generation:
             yield choices[0], entry

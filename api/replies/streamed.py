@@ -41,15 +41,6 @@ async def _numbered(events: AsyncIterator[ServerSentEvent], after: int
             yield event
 
 
-async def _tokenwise(items: AsyncIterator[tuple[Choice, Any]]
-                     ) -> AsyncIterator[tuple[Choice, Any]]:
-    """One token an entry: the events are then the same whether the tokens came one a step
-    from the feed or in chunks from the record (a catch-up, a resume: api/resume.py)."""
-    async for choice, entry in items:
-        for part in entry.split() if isinstance(entry, Tokens) else (entry,):
-            yield choice, part
-
-
 def _sse_event(payload: dict[str, Any] | str) -> ServerSentEvent:
     data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
     return ServerSentEvent(data=data, sep="\n")
@@ -84,7 +75,7 @@ async def _stream(
                 yield _event(header.chunk(c.index, "", role=True))
             elif c.prefix:
                 yield _event(header.chunk(c.index, c.prefix))
-        async for choice, entry in _tokenwise(entries(choices)):
+        async for choice, entry in entries(choices):
             if choice.finish_reason is not None:
                 continue  # ended here by a stop string; the worker's late entries are moot
             if isinstance(entry, Tokens):

@@ -15,8 +15,8 @@ Exactly one `finish` or `error` entry ends every result stream. The result strea
 record, written in chunks (a request's first token at once, then every 16 tokens or 0.5 s:
 worker/record.py); the feed is the live path, one entry per step, kept `FEED_RETENTION_S`. A
 finish entry carries the tokens not yet recorded (one XADD instead of two: Redis commands per
-token are the budget), read as a tokens entry followed by the finish (`expand`); a streamed
-reply renders one token at a time, so its events do not depend on the chunks. Flat string
+token are the budget), read as a tokens entry followed by the finish (`expand`); a reply is
+rendered one token at a time, so it does not depend on the chunks. Flat string
 fields keep the streams readable with plain `redis-cli XRANGE`.
 
 Request hash (`RequestField` names its fields, `RequestHash` writes and reads them): written in

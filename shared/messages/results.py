@@ -2,8 +2,8 @@
 exactly one finish or error. Flat string fields, so `redis-cli XRANGE` reads them.
 
 The feed carries every step's tokens as they come; the result stream is the record, written in
-chunks (worker/record.py), so one entry there may hold many tokens. A streamed reply renders
-one token at a time (`Tokens.split`), so its events are the same from either.
+chunks (worker/record.py), so one entry there may hold many tokens. A reply is rendered one
+token at a time (`Tokens.split`, api/replies/merge.py), so it is the same from either.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def _tokens(f: dict[str, str]) -> Tokens:
 # How long a replica's feed keeps its entries (trimmed by entry id, i.e. time). The feed holds
 # the tokens not yet in a request's record: what a worker taking over a dead worker's request
 # reads back (worker/recovery.py), so this spans the takeover delay (twice the heartbeat TTL)
-# many times over.
+# many times over. The cut-off comes from the writer's clock: one far ahead of Redis's trims
+# entries early, and readers then wait for the record's next chunk instead.
 FEED_RETENTION_S = 120
 
 
