@@ -68,10 +68,8 @@ def create_app(settings: Settings) -> FastAPI:
                     f"results waited over {settings.slow_client_timeout_s:g}s",
                     "server_error", "client_too_slow"))
 
-        # A record may lag its feed until a dead worker's request is taken over.
         reader = ResultReader(clients, keys, replica, settings.per_request_buffer,
-                              settings.slow_client_timeout_s, on_slow_client,
-                              record_lag_s=2 * settings.heartbeat_ttl_s + 5)
+                              settings.slow_client_timeout_s, on_slow_client)
         admission = Admission(clients.commands, keys, QueueLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.queue_timeout_s,
             settings.max_queued_per_tenant), settings.request_ttl_s)

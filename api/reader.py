@@ -9,16 +9,18 @@ Redis a registration and a wake on each of them per step. The feed is within the
 hash tag, one Cluster slot.
 
 The result streams are the record, written in chunks that trail the feed by up to 16 tokens
-or 0.5 s (worker/record.py). A request's entries are placed by token index, so one seen twice
-(a worker that resumed a request, a retried publish) is dropped and one that skips ahead shows
-a gap. When a client falls behind (its queue is full) or a gap shows, its request leaves the
-feed and catches up from its own result stream, tokens waiting in Redis rather than in this
-process, keeping meanwhile the newest of its feed entries (at most half a buffer); level
-with its record, it takes those and rejoins the feed. If they do not reach back to the
-record's end, it waits for the record's next chunk, polling every `GAP_POLL_S`, and ends with
-an error only if the record makes no progress for `record_lag_s` (longer than a dead
-worker's takeover, which records what the feed had: worker/recovery.py). A client that stays
-behind for `slow_after_s` is reported through `on_slow_client`. Should the feed vanish (Redis
+or 0.5 s and a step while the worker lives (worker/record.py), and until another worker takes
+the request over if it dies (which records what the feed had: worker/recovery.py). A
+request's entries are placed by token index, so one seen twice (a worker that resumed a
+request, a retried publish) is dropped and one that skips ahead shows a gap. When a client
+falls behind (its queue is full) or a gap shows, its request leaves the feed and catches up
+from its own result stream, tokens waiting in Redis rather than in this process, keeping
+meanwhile the newest of its feed entries (at most half a buffer); level with its record, it
+takes those and rejoins the feed. Until they fit, or while they do not reach back to the
+record's end (the record lags), it reads the record again every `GAP_POLL_S`; it waits as a
+client on the feed would, up to the request's deadline (api/generation.py). A gap in the
+record itself (Redis lost data) ends the request with an error. A client that stays behind
+for `slow_after_s` is reported through `on_slow_client`. Should the feed vanish (Redis
 restarted), it is made anew and every request catches up from its stream.
 
 Every request of the replica depends on this one task, so it must never die silently: an entry
@@ -62,7 +64,7 @@ OUTAGE_AFTER_S = 1.0
 # While some client is behind, read with a short block so it catches up promptly once it
 # reads again.
 BEHIND_BLOCK_MS = 20
-# How often a request level with a record that lacks what the feed showed reads it again.
+# How often a request level with its record, but not yet back on the feed, reads it again.
 GAP_POLL_S = 0.2
 # How often the feed's TTL is refreshed (and its loss noticed).
 FEED_CHECK_S = 5.0
@@ -85,7 +87,7 @@ class Subscription:
     behind_since: float | None = None  # when it last had no room
     # While behind: its newest feed entries, to rejoin the feed with once the record is read.
     stash: list[ResultEntry] = field(default_factory=list)
-    lagging_since: float | None = None  # level with a record that lacks what the feed showed
+    level: bool = False  # read to its record's end, not yet back on the feed
     polled: float = 0.0  # when its record was last read
 
     def fail(self, error: Error) -> None:
@@ -138,7 +140,6 @@ class ResultReader:
     buffer: int
     slow_after_s: float
     on_slow_client: Callable[[str], None] = lambda request_id: None
-    record_lag_s: float = 25.0
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # by request id
     _feed_id: bytes | str = "0-0"
     _ttl_s: int = 3600
@@ -182,8 +183,10 @@ class ResultReader:
 
     async def _make_feed(self) -> bytes:
         """The feed exists from here on (workers never make it), with its TTL."""
+        seconds, micros = await self.clients.commands.time()  # trimmed by Redis's clock
         pipe = self.clients.commands.pipeline(transaction=False)
-        pipe.xadd(self.feed_key, {"d": ""}, minid=feed_min_id(time.time()), approximate=True)
+        pipe.xadd(self.feed_key, {"d": ""}, minid=feed_min_id(seconds + micros / 1e6),
+                  approximate=True)
         pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)
@@ -263,7 +266,7 @@ class ResultReader:
                     self.on_slow_client(sub.request_id)
                 continue
             sub.behind_since = None
-            if sub.lagging_since is not None and now - sub.polled < GAP_POLL_S:
+            if sub.level and now - sub.polled < GAP_POLL_S:
                 waiting = True
                 continue
             waiting = await self._read_record(sub, free // 2, now) or waiting
@@ -271,7 +274,7 @@ class ResultReader:
 
     async def _read_record(self, sub: Subscription, count: int, now: float) -> bool:
         """Catch `sub` up from its record, then from its stash: True while still behind."""
-        sub.polled, before = now, sub.next_index
+        sub.polled = now
         reply = cast(StreamEntries, await self.clients.commands.xrange(
             sub.key, _after(sub.stream_id), "+", count=count))
         outcome = "ok"
@@ -284,22 +287,16 @@ class ResultReader:
             sub.stream_id = entry_id
         if sub.ended:
             return False
-        if sub.next_index > before:
-            sub.lagging_since = None
-        if outcome != "ok" or len(reply) == count:
+        sub.level = outcome == "ok" and len(reply) < count
+        if not sub.level:
             return True
-        # Level with the record: the stash carries on from it, unless the record lags.
-        outcome = sub.offer(sub.stash, self.room)
-        if outcome == "ok":
-            sub.stash.clear()
-            sub.behind, sub.lagging_since = False, None
-            return False
-        if outcome == "gap":
-            sub.lagging_since = sub.lagging_since or now
-            if now - sub.lagging_since > self.record_lag_s:
-                sub.fail(LOST)
-                return False
-        return True
+        # Level with the record: the stash carries on from it, unless the record lags (or
+        # the stash does not fit yet).
+        if sub.offer(sub.stash, self.room) != "ok":
+            return True
+        sub.stash.clear()
+        sub.behind = sub.level = False
+        return False
 
     def _route_feed(self, fields: Mapping[bytes, bytes]) -> None:
         try:

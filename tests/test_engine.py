@@ -208,6 +208,22 @@ def test_a_held_request_lets_the_one_behind_it_start() -> None:
     _assert_pages_back(engine)
 
 
+def test_a_held_request_keeps_its_running_slot() -> None:
+    model = _tiny("llama")
+    engine = _engine(model, step_tokens=64, max_running=2)
+    shared = list(range(300, 340))
+    for request in (_request(0, [*shared, 1], 2), _request(1, [*shared, 2], 2),
+                    _request(2, [5, 6, 7], 2)):
+        engine.add(request)
+    engine.step()
+    assert set(engine.running) == {"t-0"}  # the second slot waits for t-1, not t-2
+    engine.step()
+    assert "t-1" in engine.running and "t-2" not in engine.running
+    while engine.has_work():
+        engine.step()
+    _assert_pages_back(engine)
+
+
 def engine_outputs(engine: Engine, request: GenerateRequest) -> list:  # type: ignore[type-arg]
     engine.add(request)
     outputs = []

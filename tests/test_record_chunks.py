@@ -2,9 +2,10 @@
 
 A replica's reader, on a real Redis with the test playing the worker: a client that falls
 behind while the record trails the feed gets every token once, in order (record, then the feed
-entries it kept, waiting for the record's next chunk where those do not reach back); a record
-that stops short of what the feed showed ends the request with an error once `record_lag_s`
-passes. With real workers: a worker killed between chunks, sampling unseeded at temperature
+entries it kept, waiting for the record's next chunk where those do not reach back); a gap in
+the record itself ends the request with an error. When a chunk is due. Recovery reads the
+feed after the record's end, and says when the feed no longer reaches back that far. With
+real workers: a worker killed between chunks, sampling unseeded at temperature
 1, is taken over from the record plus the feed after it, so the client's stream, the record
 and a replay of it all hold the same tokens.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -26,7 +28,9 @@ from shared.keys import WORKER_GROUP, Keys, new_replica_tag, new_request_id
 from shared.messages import (
     Error,
     Finish,
+    GenerateRequest,
     ResultEntry,
+    SamplingParams,
     Tokens,
     decode_feed,
     decode_result,
@@ -35,6 +39,8 @@ from shared.messages import (
 )
 from shared.redis_conn import connect
 from tests.stack import Stack, eventually
+from worker.record import Record
+from worker.recovery import Claimed, Recovery, lost_tail
 
 MODEL = "tiny-llama"
 
@@ -60,8 +66,7 @@ def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
 
     async def run() -> list[ResultEntry]:
         clients = connect(redis_url, name="test")
-        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60,
-                              record_lag_s=10)
+        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60)
         await reader.start(60)
         sub = reader.open(rid)
         try:
@@ -82,7 +87,7 @@ def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
 
             reading = asyncio.create_task(read())
             await asyncio.sleep(0.5)
-            assert sub.behind and sub.lagging_since is not None  # the record lacks 17-32
+            assert sub.behind and sub.level  # the record lacks 17-32: the stash starts at 33
             _record(sync_redis, keys, rid, 17, 33)  # the next chunk reaches what was kept
             assert await asyncio.to_thread(eventually, lambda: not sub.behind, 5)
             _feed(sync_redis, keys, rid, Finish("length", 1, 41, 0, Tokens(40, (40,))))
@@ -102,21 +107,23 @@ def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
         sync_redis.delete(keys.out(rid), keys.feed(replica))
 
 
-def test_a_record_that_stops_short_of_the_feed_ends_the_request(redis_url: str,
-                                                                 sync_redis: redis.Redis) -> None:
+def test_a_gap_in_the_record_itself_ends_the_request(redis_url: str,
+                                                     sync_redis: redis.Redis) -> None:
+    """Tokens 1-4 are missing from the record (Redis lost them): the feed shows 5, the
+    record jumps from 0 to 5, so the request ends with an error rather than a gap."""
     keys, replica = Keys(f"rstest-{uuid.uuid4().hex[:8]}"), new_replica_tag()
     rid = new_request_id(replica)
 
     async def run() -> list[ResultEntry]:
         clients = connect(redis_url, name="test")
-        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60,
-                              record_lag_s=1)
+        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60)
         await reader.start(60)
         sub = reader.open(rid)
         try:
             _record(sync_redis, keys, rid, 0, 1)
             _feed(sync_redis, keys, rid, Tokens(0, (0,)))
-            _feed(sync_redis, keys, rid, Tokens(5, (5,)))  # 1-4 never come
+            _record(sync_redis, keys, rid, 5, 7)
+            _feed(sync_redis, keys, rid, Tokens(5, (5,)))
             return await _take(sub.queue, 2)
         finally:
             reader.close(sub)
@@ -129,6 +136,74 @@ def test_a_record_that_stops_short_of_the_feed_ends_the_request(redis_url: str,
         assert isinstance(error, Error) and error.code == "redis_unavailable"
     finally:
         sync_redis.delete(keys.out(rid), keys.feed(replica))
+
+
+def test_when_a_chunk_is_due() -> None:
+    record = Record(chunk_tokens=4, chunk_s=0.5)
+    record.add("a", Tokens(0, (1,)), 10.0)
+    assert record.due(10.0) == [("a", Tokens(0, (1,)))]  # a request's first token here
+    for i in range(1, 4):
+        record.add("a", Tokens(i, (i,)), 10.1)
+    assert record.due(10.1) == []  # three tokens, none waited 0.5 s, the last chunk is new
+    record.add("a", Tokens(4, (4,)), 10.2)
+    assert record.due(10.2) == [("a", Tokens(1, (1, 2, 3, 4)))]  # four: a chunk
+    record.add("a", Tokens(5, (5,)), 10.3)
+    assert record.due(10.6) == []  # the chunk at 10.2 is 0.4 s old, token 5 0.3 s
+    assert record.due(10.8) == [("a", Tokens(5, (5,)))]  # it waited 0.5 s
+    record.add("a", Tokens(6, (6,)), 20.0)  # after a pause (a preemption): at once
+    assert record.due(20.0) == [("a", Tokens(6, (6,)))]
+    record.add("a", Tokens(7, (7,)), 20.1)
+    assert record.take("a") == Tokens(7, (7,)) and record.take("a") is None
+    assert len(record) == 0
+
+
+def test_recovery_reads_the_feed_after_the_record_or_says_it_cannot(
+        redis_url: str, sync_redis: redis.Redis) -> None:
+    keys, replica = Keys(f"rstest-{uuid.uuid4().hex[:8]}"), new_replica_tag()
+    now = time.time()
+
+    def request(temperature: float) -> GenerateRequest:
+        return GenerateRequest(id=new_request_id(replica), model=MODEL, prompt_ids=(5, 6),
+                               created=now, queue_deadline=now + 60, deadline=now + 120,
+                               params=SamplingParams(max_tokens=50, temperature=temperature))
+
+    async def inspect(req: GenerateRequest) -> Claimed:
+        clients = connect(redis_url, name="test")
+        try:
+            recovery = Recovery(clients.commands, keys, MODEL, "w2", reclaim_after_s=1)
+            return await recovery._inspect("1-0", req)
+        finally:
+            await clients.close()
+
+    sampled, greedy = request(1.0), request(0.0)
+    sync_redis.xgroup_create(keys.requests(MODEL), WORKER_GROUP, id="0", mkstream=True)
+    try:
+        _feed(sync_redis, keys, sampled.id, Tokens(0, (7,)))
+        _record(sync_redis, keys, sampled.id, 0, 3)  # 0-2 recorded...
+        for i in range(3, 6):  # ...3-5 streamed only (another request's entry between)
+            _feed(sync_redis, keys, sampled.id, Tokens(i, (i,)))
+            _feed(sync_redis, keys, greedy.id, Tokens(i, (i,)))
+        claimed = asyncio.run(inspect(sampled))
+        assert claimed.generated == (0, 1, 2, 3, 4, 5) and not claimed.tail_lost
+        assert claimed.unrecorded == Tokens(3, (3, 4, 5))
+        assert lost_tail(claimed) is None
+
+        # The feed was trimmed past the record's end (a takeover too late): a sampled
+        # request cannot go on; a greedy one can (its lost tokens come out the same).
+        sync_redis.delete(keys.feed(replica))
+        _feed(sync_redis, keys, sampled.id, Tokens(9, (9,)))  # the feed starts now
+        for req in (sampled, greedy):  # records last written a minute ago
+            sync_redis.delete(keys.out(req.id))
+            sync_redis.xadd(keys.out(req.id), Tokens(0, (0,)).to_fields(),  # type: ignore[arg-type]
+                            id=f"{int(time.time() * 1000) - 60_000}-0")
+        lost = asyncio.run(inspect(sampled))
+        assert lost.tail_lost and lost.generated == (0,)
+        error = lost_tail(lost)
+        assert error is not None and error.code == "worker_failed"
+        assert lost_tail(asyncio.run(inspect(greedy))) is None
+    finally:
+        sync_redis.delete(keys.out(sampled.id), keys.out(greedy.id), keys.feed(replica),
+                          keys.requests(MODEL))
 
 
 async def _stream(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[str, str, str]:

@@ -296,3 +296,47 @@ def test_tokens_of_a_failed_flush_reach_the_record_with_a_later_one() -> None:
     finally:
         r.close()
         server.stop()
+
+
+def test_a_retried_chunk_never_follows_its_terminal_entry() -> None:
+    """A flush whose pipeline Redis applied but whose reply was lost: its chunk and finish wait
+    in the outbox; the retry finds the finish and adds neither again."""
+    server = EmbeddedRedis()
+    url = server.start()
+    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
+    req = _request(8)
+    r = redis.Redis.from_url(url)
+    [entry_id] = _enqueue(r, keys, [req], "w1")
+
+    async def run() -> None:
+        nonlocal server
+        clients = connect(url, name="test")
+        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        publisher.take(req, entry_id)
+        publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
+        await publisher.flush()
+        server.stop()
+        publisher.record.chunk_tokens = 1
+        publisher.stage([StepOutput(req.id, 1, 42, None, 3, 2)])  # a chunk, due at once
+        publisher.stage_error(req.id, Error("stopped", code="internal_error"))
+        with pytest.raises(aioredis.RedisError):
+            await publisher.flush()
+        assert publisher.backlog == 1
+        server = EmbeddedRedis(port=server.port)
+        server.start()
+        # Redis had applied that pipeline: the record as it was (the first token, the chunk,
+        # the error).
+        for entry in (Tokens(0, (41,)), Tokens(1, (42,)), Error("stopped", code="internal_error")):
+            r.xadd(keys.out(req.id), entry.to_fields())  # type: ignore[arg-type]
+        await publisher.flush(batch_now=True)
+        assert publisher.backlog == 0
+        await clients.close()
+
+    try:
+        asyncio.run(run())
+        entries = [decode_result(f) for _, f in r.xrange(keys.out(req.id))]
+        assert entries == [Tokens(0, (41,)), Tokens(1, (42,)),
+                           Error("stopped", code="internal_error")]
+    finally:
+        r.close()
+        server.stop()

@@ -21,9 +21,10 @@ one feed entry per replica, whatever the number of requests; per request, a few 
 
 A flush that fails (Redis went away) keeps what must not be lost: the record chunks, terminal
 entries, acks and hand-backs go to an outbox that every later flush retries first, until it
-is written or the request's keys would have expired anyway. A retried terminal entry is added
-only if its stream does not end with one already (a pipeline may have been applied in part),
-so every result stream still ends with exactly one. The feed entries of a failed flush are
+is written or the request's keys would have expired anyway. A retried terminal entry is added,
+with its request's retried chunks before it, only if its stream does not end with one already
+(a pipeline may have been applied in part), so every result stream still ends with exactly
+one. The feed entries of a failed flush are
 not retried: the record has their tokens, and a replica that missed them reads them there. A
 request's pending entry stays in `entry_ids`, and is kept fresh by the heartbeat, until its
 terminal entry is written; from then on nothing refreshes it.
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import orjson
 import redis.asyncio as aioredis
@@ -51,12 +50,17 @@ from shared.messages import (
 )
 from shared.settings import Settings
 from worker.engine import StepOutput
-from worker.metrics import Clock, WorkerMetrics
+from worker.metrics import WorkerMetrics
 from worker.record import Record
+from worker.staged import Ending, Staged
 
 BATCH_S = 0.5
+# How often the offset between this clock and Redis's is read again (the feed is trimmed by
+# Redis's clock, see `feed_min_id`).
+CLOCK_S = 60.0
 
-# KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON).
+# KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON), the
+# record chunks to add before the entry (JSON list of fields).
 _TERMINAL_ONCE = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
 local ended = false
@@ -66,10 +70,14 @@ if last then
     if f[i] == 'kind' and (f[i + 1] == 'finish' or f[i + 1] == 'error') then ended = true end
   end
 end
-if not ended then
+local function add(fields)
   local args = {}
-  for k, v in pairs(cjson.decode(ARGV[2])) do table.insert(args, k); table.insert(args, v) end
+  for k, v in pairs(fields) do table.insert(args, k); table.insert(args, v) end
   redis.call('XADD', KEYS[1], '*', unpack(args))
+end
+if not ended then
+  for _, chunk in ipairs(cjson.decode(ARGV[4])) do add(chunk) end
+  add(cjson.decode(ARGV[2]))
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local state = {}
@@ -78,48 +86,6 @@ redis.call('HSET', KEYS[2], unpack(state))
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return ended and 0 or 1
 """
-
-
-@dataclass(frozen=True)
-class Ending:
-    """A request's terminal entry, until Redis has it."""
-
-    request_id: str
-    entry: Finish | Error  # for the record: a finish carries every unrecorded token
-    live: Finish | Error  # for the feed: a finish carries only its step's token
-    expires: float  # unix time past which its keys are gone anyway: stop retrying
-    clock: Clock | None = None  # its times, observed once it is written
-
-    @cached_property  # read by the stream's XADD, and by the feed on a retry: encoded once
-    def fields(self) -> dict[str, str]:
-        return self.entry.to_fields()
-
-    @property
-    def state(self) -> dict[str, str]:
-        """What the request's hash says once this is written."""
-        return RequestHash.ended(self.entry)
-
-
-@dataclass
-class Staged:
-    live: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # feed only
-    records: list[tuple[str, Tokens]] = field(default_factory=list)  # result streams only
-    running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
-    endings: list[Ending] = field(default_factory=list)
-    acks: list[str] = field(default_factory=list)  # request-stream entry ids
-    hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
-
-    def __bool__(self) -> bool:
-        return any((self.live, self.records, self.running, self.endings, self.acks,
-                    self.hand_backs))
-
-    def keep_for_retry(self, outbox: Staged) -> None:
-        """What a failed flush must not lose; feed entries and states are dropped (the
-        record has the tokens; the requests end with an error)."""
-        outbox.records += self.records
-        outbox.endings += self.endings
-        outbox.acks += self.acks
-        outbox.hand_backs += self.hand_backs
 
 
 class Publisher:
@@ -143,6 +109,8 @@ class Publisher:
         self._batch = Staged()  # acks, sent every BATCH_S
         self._batch_sent = 0.0
         self._terminal_once = redis.register_script(_TERMINAL_ONCE)
+        self._clock_offset = 0.0  # Redis's time less this machine's
+        self._clock_read = float("-inf")  # monotonic time of the last read
 
     @property
     def backlog(self) -> int:
@@ -252,10 +220,14 @@ class Publisher:
         (they are its to end)."""
         gone = {rid for rid, eid in self.entry_ids.items() if eid in taken}
         self.entry_ids = {rid: eid for rid, eid in self.entry_ids.items() if rid not in gone}
-        self._outbox.endings = [e for e in self._outbox.endings if e.request_id not in gone]
-        self._outbox.records = [r for r in self._outbox.records if r[0] not in gone]
+        self._outbox.drop(gone)
+        self._staged.drop(gone)
 
     async def _send(self, staged: Staged) -> None:
+        if time.monotonic() - self._clock_read > CLOCK_S:
+            seconds, micros = await self.redis.time()
+            self._clock_offset = seconds + micros / 1e6 - time.time()
+            self._clock_read = time.monotonic()
         ttl = self.settings.request_ttl_s
         pipe = self.redis.pipeline(transaction=False)
         for request_id, worker in staged.running:
@@ -293,7 +265,7 @@ class Publisher:
         for a request with two entries in this batch). NOMKSTREAM: a replica that is gone
         has no feed, and none is made for it."""
         feeds: dict[str, list[dict[str, dict[str, str]]]] = {}
-        min_id = feed_min_id(time.time())
+        min_id = feed_min_id(time.time() + self._clock_offset)
         for request_id, fields in entries:
             batches = feeds.setdefault(replica_of(request_id), [{}])
             if request_id in batches[-1]:
@@ -322,11 +294,19 @@ class Publisher:
         for ending in expired:  # its keys are gone by now: nothing left to end
             self.entry_ids.pop(ending.request_id, None)
         outbox.endings = [e for e in outbox.endings if e.expires >= now]
-        if outbox.records:  # before the terminal entries that follow them
+        # A request's chunks go with its terminal entry, if it has one, so that a retry never
+        # adds one after it; the others first.
+        ending_ids = {e.request_id for e in outbox.endings}
+        chunks: dict[str, list[dict[str, str]]] = {}
+        for request_id, tokens in outbox.records:
+            if request_id in ending_ids:
+                chunks.setdefault(request_id, []).append(tokens.to_fields())
+        running = [r for r in outbox.records if r[0] not in ending_ids]
+        if running:
             pipe = self.redis.pipeline(transaction=False)
-            self._stage_records(pipe, outbox.records)
+            self._stage_records(pipe, running)
             await pipe.execute()
-            outbox.records = []
+        outbox.records = [r for r in outbox.records if r[0] in ending_ids]
         # One script call each (a rare path; a Cluster pipeline cannot carry scripts), then
         # the feed learns of those that were added.
         added = []
@@ -334,7 +314,7 @@ class Publisher:
             if await self._terminal_once(
                     keys=[self.keys.out(e.request_id), self.keys.state(e.request_id)],
                     args=[self.settings.finished_ttl_s, orjson.dumps(e.fields),
-                          orjson.dumps(e.state)]):
+                          orjson.dumps(e.state), orjson.dumps(chunks.get(e.request_id, []))]):
                 added.append((e.request_id, e.fields))
         pipe = self.redis.pipeline(transaction=False)
         self._stage_feeds(pipe, added)

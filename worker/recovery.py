@@ -46,9 +46,10 @@ log = logging.getLogger("redserve.worker")
 # Pending entries looked at per claim: queued ones among them are skipped.
 PAGE = 100
 # The feed read after a record's last entry: from a little before it (another key's ids may
-# run a little ahead), to well past the next chunk its dead worker would have written.
+# run a little ahead), to well past when its dead worker would have written the next chunk
+# (0.5 s and a step: worker/record.py).
 FEED_BEFORE_MS = 2_000
-FEED_AFTER_MS = 30_000
+FEED_AFTER_MS = 10_000
 FEED_PAGE = 1_000
 
 
@@ -61,6 +62,9 @@ class Claimed:
     deliveries: int
     aborted: bool = False  # its abort key is set (filled in at intake)
     unrecorded: Tokens | None = None  # the end of `generated` found only in the feed
+    # The feed no longer reaches back to its record's end (trimmed, or gone with its
+    # replica): tokens its client saw may be missing from `generated`.
+    tail_lost: bool = False
 
 
 class Recovery:
@@ -162,20 +166,27 @@ class Recovery:
             for entry in expand(decode_result(fields)):
                 if isinstance(entry, Tokens) and entry.index == len(generated):
                     generated.extend(entry.ids)
-        unrecorded = None
+        unrecorded, lost = None, False
         if results and not ended:
-            unrecorded = await self._feed_tail(request.id, results[-1][0], len(generated))
+            unrecorded, lost = await self._feed_tail(request.id, results[-1][0],
+                                                     len(generated))
             generated.extend(unrecorded.ids if unrecorded else ())
         return Claimed(entry_id, request, tuple(generated), ended, deliveries,
-                       unrecorded=unrecorded)
+                       unrecorded=unrecorded, tail_lost=lost)
 
     async def _feed_tail(self, request_id: str, record_end: bytes,
-                         index: int) -> Tokens | None:
+                         index: int) -> tuple[Tokens | None, bool]:
         """The request's tokens from `index` on that its replica's feed holds after the
-        record's last entry (written before them, in the same pipeline)."""
+        record's last entry (written before them, in the same pipeline), and whether the feed
+        no longer reaches back that far."""
         end_ms = int(record_end.split(b"-")[0])
         start, stop = f"{end_ms - FEED_BEFORE_MS}-0", f"{end_ms + FEED_AFTER_MS}-0"
         feed, key = self.keys.feed(replica_of(request_id)), request_id.encode()
+        # Trimming takes the oldest first: if what is left starts after the record's end, what
+        # came just after it may be gone.
+        first = cast(StreamEntries, await self.redis.xrange(feed, "-", "+", count=1))
+        if not first or int(first[0][0].split(b"-")[0]) > end_ms:
+            return None, True
         found: list[Tokens] = []
         while True:
             page = cast(StreamEntries, await self.redis.xrange(feed, start, stop,
@@ -185,12 +196,24 @@ class Recovery:
                     continue
                 entry = decode_feed(fields).get(request_id)
                 for part in expand(decode_result(entry)) if entry else ():
-                    if isinstance(part, Tokens) and part.index == index + len(found):
+                    if isinstance(part, Tokens) and part.index == index:
                         found.append(part)
+                        index = part.end
             if len(page) < FEED_PAGE:
                 break
             start = f"({page[-1][0].decode()}"
-        return Tokens.joined(found) if found else None
+        return (Tokens.joined(found) if found else None), False
+
+
+def lost_tail(claimed: Claimed) -> Error | None:
+    """A sampled request whose client may have seen tokens that neither its record nor the
+    feed holds any more: continuing would show the client a different text after them.
+    A greedy one continues (its lost tokens come out the same again)."""
+    if not claimed.tail_lost or claimed.request.params.temperature == 0:
+        return None
+    return Error("the request's worker stopped and the tokens it streamed last are no longer "
+                 "in Redis, so it cannot continue without a gap", "server_error",
+                 "worker_failed")
 
 
 def too_many_deliveries(claimed: Claimed, limit: int) -> Error | None:

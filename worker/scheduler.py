@@ -18,10 +18,10 @@ engine is left with running a plan and sampling from its logits.
 3. new requests from the queue, while the budget, the running cap and the free pages allow;
    each first takes whatever full pages of its prompt the prefix cache holds. A request whose
    next page another request of its tenant is computing (one that runs in this step) is held
-   back (it keeps its place at the head of the queue, and those behind it may go first) and
-   takes the page from the cache once computed: requests arriving together with a new shared
-   prefix (placement sends them to one worker: api/placement.py) compute it once, not once
-   each.
+   back (it keeps its place at the head of the queue and its running slot, and those behind
+   it may go first) and takes the page from the cache once computed: requests arriving
+   together with a new shared prefix (placement sends them to one worker: api/placement.py)
+   compute it once, not once each.
 The engine runs the plan's chunks in one forward pass, then calls `mark_computed` (the chunks'
 KV is now in their pages: full pages are published to the prefix cache) and `finish` for every
 request that ended.
@@ -232,8 +232,9 @@ class Scheduler:
                 scheduled.append((seq, n))
                 busy.add(id(seq))
                 budget -= n
-        held: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+        held: list[Sequence] = []  # each keeps a running slot: none goes to those behind
+        while (self.waiting and budget > 0
+               and len(self.running) + len(held) < self.config.max_running):
             seq = self.waiting[0]
             if not seq.pages:
                 seq.pages, seq.page_keys = self.pages.match(seq.tokens, seq.cache_root)
@@ -267,8 +268,8 @@ class Scheduler:
         (same tenant, same tokens up to that page's end): a page `seq` would compute again.
         That request progresses every step it runs, so `seq` waits a few steps at most."""
         end = (len(seq.pages) + 1) * self.pages.page_size
-        if end >= len(seq.tokens):  # no full page left to share: its last token always runs
-            return False
+        if not self.config.prefix_caching or end >= len(seq.tokens):
+            return False  # nothing to share, or no full page left: its last token always runs
         head = seq.tokens[:end]
         return any(other.cache_root == seq.cache_root and other.num_computed < end
                    <= len(other.tokens) and other.tokens[:end] == head

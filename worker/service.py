@@ -41,7 +41,7 @@ from worker.intake import Intake
 from worker.metrics import WorkerMetrics
 from worker.presence import Presence
 from worker.publisher import Publisher
-from worker.recovery import Claimed, Recovery, too_many_deliveries
+from worker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
 from worker.take import Room, TakePolicy, Taker
 
 log = logging.getLogger("redserve.worker")
@@ -279,7 +279,8 @@ class WorkerService:
         if now > req.deadline:
             return TIMED_OUT
         if claimed.deliveries > 1:  # taken over from a dead worker
-            return too_many_deliveries(claimed, self.settings.max_deliveries)
+            return (too_many_deliveries(claimed, self.settings.max_deliveries)
+                    or lost_tail(claimed))
         if now > req.queue_deadline:
             return queue_timeout(req.model)
         if req.model != self.info.name:  # only a hand-made entry: streams are per model

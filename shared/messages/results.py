@@ -104,13 +104,13 @@ def _tokens(f: dict[str, str]) -> Tokens:
 # How long a replica's feed keeps its entries (trimmed by entry id, i.e. time). The feed holds
 # the tokens not yet in a request's record: what a worker taking over a dead worker's request
 # reads back (worker/recovery.py), so this spans the takeover delay (twice the heartbeat TTL)
-# many times over. The cut-off comes from the writer's clock: one far ahead of Redis's trims
-# entries early, and readers then wait for the record's next chunk instead.
+# many times over (a takeover later than that cannot continue a sampled request: see
+# worker/recovery.py). Entries are trimmed by Redis's clock, which the ids carry.
 FEED_RETENTION_S = 120
 
 
 def feed_min_id(now: float) -> str:
-    """The XADD MINID that keeps `FEED_RETENTION_S` of a feed."""
+    """The XADD MINID that keeps `FEED_RETENTION_S` of a feed; `now` on Redis's clock."""
     return f"{int((now - FEED_RETENTION_S) * 1000)}-0"
 
 
