@@ -13,17 +13,19 @@ and a replay of it all hold the same tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import orjson
 import redis
 
-from api.reader import ResultReader
+from api.reader import ResultReader, Subscription
 from shared.keys import WORKER_GROUP, Keys, new_replica_tag, new_request_id
 from shared.messages import (
     Error,
@@ -58,6 +60,21 @@ async def _take(queue: asyncio.Queue[ResultEntry], n: int) -> list[ResultEntry]:
     return [await asyncio.wait_for(queue.get(), 5) for _ in range(n)]
 
 
+@contextlib.asynccontextmanager
+async def _reading(redis_url: str, keys: Keys, replica: str,
+                   rid: str) -> AsyncIterator[tuple[ResultReader, Subscription]]:
+    """A replica's reader (a 16-entry buffer) and its subscription to `rid`."""
+    clients = connect(redis_url, name="test")
+    reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60)
+    await reader.start(60)
+    sub = reader.open(rid)
+    try:
+        yield reader, sub
+    finally:
+        reader.close(sub)
+        await reader.stop()
+        await clients.close()
+
 
 def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
                                                                   sync_redis: redis.Redis) -> None:
@@ -65,11 +82,7 @@ def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
     rid = new_request_id(replica)
 
     async def run() -> list[ResultEntry]:
-        clients = connect(redis_url, name="test")
-        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60)
-        await reader.start(60)
-        sub = reader.open(rid)
-        try:
+        async with _reading(redis_url, keys, replica, rid) as (reader, sub):
             # 40 tokens on the feed while the client reads nothing: its queue takes 14; the
             # record has the first token and one chunk (1-16), so 17-39 are only in the feed,
             # and the reader keeps the newest 7 feed entries (33-39).
@@ -93,10 +106,6 @@ def test_a_client_behind_a_lagging_record_gets_every_token_once(redis_url: str,
             _feed(sync_redis, keys, rid, Finish("length", 1, 41, 0, Tokens(40, (40,))))
             await asyncio.wait_for(reading, 5)
             return got
-        finally:
-            reader.close(sub)
-            await reader.stop()
-            await clients.close()
 
     try:
         got = asyncio.run(run())
@@ -115,20 +124,12 @@ def test_a_gap_in_the_record_itself_ends_the_request(redis_url: str,
     rid = new_request_id(replica)
 
     async def run() -> list[ResultEntry]:
-        clients = connect(redis_url, name="test")
-        reader = ResultReader(clients, keys, replica, buffer=16, slow_after_s=60)
-        await reader.start(60)
-        sub = reader.open(rid)
-        try:
+        async with _reading(redis_url, keys, replica, rid) as (_, sub):
             _record(sync_redis, keys, rid, 0, 1)
             _feed(sync_redis, keys, rid, Tokens(0, (0,)))
             _record(sync_redis, keys, rid, 5, 7)
             _feed(sync_redis, keys, rid, Tokens(5, (5,)))
             return await _take(sub.queue, 2)
-        finally:
-            reader.close(sub)
-            await reader.stop()
-            await clients.close()
 
     try:
         first, error = asyncio.run(run())

@@ -25,7 +25,7 @@ from shared.messages import (
     decode_result,
     expand,
 )
-from shared.redis_conn import connect
+from shared.redis_conn import RedisClients, connect
 from shared.settings import Settings
 from tests.stack import Stack, eventually
 from worker.aborts import AbortWatch
@@ -252,23 +252,36 @@ def test_the_worker_ends_a_request_at_its_deadline(
         stack.stop()
 
 
-def test_tokens_of_a_failed_flush_reach_the_record_with_a_later_one() -> None:
-    """The record never has a gap: a chunk whose write failed waits in the outbox, and tokens
-    not yet due wait in the record's buffer; the feed entries are not sent again."""
+def _one_request(n: int) -> tuple[EmbeddedRedis, str, Keys, GenerateRequest, redis.Redis, str]:
+    """A Redis of the test's own (to stop and start), and one request that worker w1 took."""
     server = EmbeddedRedis()
     url = server.start()
     keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
-    req = _request(7)
+    req = _request(n)
     r = redis.Redis.from_url(url)
     [entry_id] = _enqueue(r, keys, [req], "w1")
+    return server, url, keys, req, r, entry_id
+
+
+async def _first_token_out(url: str, keys: Keys, req: GenerateRequest,
+                           entry_id: str) -> tuple[RedisClients, Publisher]:
+    """w1's publisher, the request's first token published (and recorded at once)."""
+    clients = connect(url, name="test")
+    publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+    publisher.take(req, entry_id)
+    publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
+    await publisher.flush()
+    return clients, publisher
+
+
+def test_tokens_of_a_failed_flush_reach_the_record_with_a_later_one() -> None:
+    """The record never has a gap: a chunk whose write failed waits in the outbox, and tokens
+    not yet due wait in the record's buffer; the feed entries are not sent again."""
+    server, url, keys, req, r, entry_id = _one_request(7)
 
     async def run() -> None:
         nonlocal server
-        clients = connect(url, name="test")
-        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
-        publisher.take(req, entry_id)
-        publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
-        await publisher.flush()  # a request's first token is recorded at once
+        clients, publisher = await _first_token_out(url, keys, req, entry_id)
         assert [decode_result(f) for _, f in r.xrange(keys.out(req.id))] == [Tokens(0, (41,))]
         server.stop()
         publisher.record.chunk_tokens = 1  # token 1 is due at once: its chunk fails
@@ -301,20 +314,11 @@ def test_tokens_of_a_failed_flush_reach_the_record_with_a_later_one() -> None:
 def test_a_retried_chunk_never_follows_its_terminal_entry() -> None:
     """A flush whose pipeline Redis applied but whose reply was lost: its chunk and finish wait
     in the outbox; the retry finds the finish and adds neither again."""
-    server = EmbeddedRedis()
-    url = server.start()
-    keys = Keys(f"rstest-{uuid.uuid4().hex[:8]}")
-    req = _request(8)
-    r = redis.Redis.from_url(url)
-    [entry_id] = _enqueue(r, keys, [req], "w1")
+    server, url, keys, req, r, entry_id = _one_request(8)
 
     async def run() -> None:
         nonlocal server
-        clients = connect(url, name="test")
-        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
-        publisher.take(req, entry_id)
-        publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
-        await publisher.flush()
+        clients, publisher = await _first_token_out(url, keys, req, entry_id)
         server.stop()
         publisher.record.chunk_tokens = 1
         publisher.stage([StepOutput(req.id, 1, 42, None, 3, 2)])  # a chunk, due at once

@@ -62,8 +62,8 @@ class Claimed:
     deliveries: int
     aborted: bool = False  # its abort key is set (filled in at intake)
     unrecorded: Tokens | None = None  # the end of `generated` found only in the feed
-    # The feed no longer reaches back to its record's end (trimmed, or gone with its
-    # replica): tokens its client saw may be missing from `generated`.
+    # The feed no longer reaches back to its record's end (trimmed): tokens its client saw
+    # may be missing from `generated`.
     tail_lost: bool = False
 
 
@@ -183,9 +183,12 @@ class Recovery:
         start, stop = f"{end_ms - FEED_BEFORE_MS}-0", f"{end_ms + FEED_AFTER_MS}-0"
         feed, key = self.keys.feed(replica_of(request_id)), request_id.encode()
         # Trimming takes the oldest first: if what is left starts after the record's end, what
-        # came just after it may be gone.
+        # came just after it may be gone. No feed at all: its replica is gone, and with it
+        # every client that read the feed (a resume reads the record).
         first = cast(StreamEntries, await self.redis.xrange(feed, "-", "+", count=1))
-        if not first or int(first[0][0].split(b"-")[0]) > end_ms:
+        if not first:
+            return None, False
+        if int(first[0][0].split(b"-")[0]) > end_ms:
             return None, True
         found: list[Tokens] = []
         while True:
