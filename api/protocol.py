@@ -125,7 +125,7 @@ class _Common(StrictModel):
     response_format: ResponseFormat | None = None
     # vLLM's extensions.
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    # Lower is taken from the queue first (worker/take.py), as vLLM's priority scheduling.
+    # Lower is taken from the queue first (worker/broker/take.py), as vLLM's priority scheduling.
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # what the fast tokenizers do anyway

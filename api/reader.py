@@ -9,8 +9,8 @@ Redis a registration and a wake on each of them per step. The feed is within the
 hash tag, one Cluster slot.
 
 The result streams are the record, written in chunks that trail the feed by up to 16 tokens
-or 0.5 s and a step while the worker lives (worker/record.py), and until another worker takes
-the request over if it dies (which records what the feed had: worker/recovery.py). A
+or 0.5 s and a step while the worker lives (worker/broker/record.py), and until another worker takes
+the request over if it dies (which records what the feed had: worker/broker/recovery.py). A
 request's entries are placed by token index, so one seen twice (a worker that resumed a
 request, a retried publish) is dropped and one that skips ahead shows a gap. When a client
 falls behind (its queue is full) or a gap shows, its request leaves the feed and catches up

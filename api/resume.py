@@ -7,7 +7,7 @@ entries from the start and renders them the same way produces the same events wi
 ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends the
 events after `n`: no gap, no duplicate, the same text as an unbroken stream, whichever replica
 served the start. The record trails what the first stream showed by up to a chunk
-(worker/record.py), so a resumed running stream comes in chunks. What rendering needs (the
+(worker/broker/record.py), so a resumed running stream comes in chunks. What rendering needs (the
 reply's `ReplySpec`: its kind, stop strings, echo prefix, ...) is stored with the deadlines
 as a `StreamView` in the request's hash when the stream starts.
 

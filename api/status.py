@@ -1,8 +1,8 @@
 """What a replica says about itself and the workers behind it: /health, /ready, /v1/models,
 /metrics, and /queue/<model> (what an autoscaler reads: see ops/k8s/autoscale/keda.yaml).
 
-Workers announce themselves in their model's live set (see worker/presence.py), scored by when
-their heartbeat expires; a worker that stops beating drops out of every answer here once its
+Workers announce themselves in their model's live set (see worker/broker/presence.py), scored by
+when their heartbeat expires; a worker that stops beating drops out of every answer here once its
 score passes, with no one having to notice its death.
 """
 
@@ -143,7 +143,7 @@ async def metrics(request: Request) -> Response:
 async def queue(request: Request, model: str) -> dict[str, Any]:
     """How many of the model's requests wait for a worker: KEDA's metrics-api trigger reads
     `waiting` (the consumer group's lag cannot tell: waiting requests are pending under the
-    queue's consumer, see worker/take.py). Like /metrics, it names no tenant or request."""
+    queue's consumer, see worker/broker/take.py). Like /metrics, it names no tenant or request."""
     ctx = _ctx(request)
     if model not in ctx.models:
         raise APIError(404, f"The model {model!r} does not exist", code="model_not_found",

@@ -151,10 +151,10 @@ def run_worker(settings: Settings) -> None:
     except ModelNotFound as e:
         log.error("%s", e)
         sys.exit(2)
-    from worker.checkpoint import UnsupportedCheckpoint
-    from worker.kernels import KernelsUnavailable
-    from worker.linear import QuantizationUnavailable
-    from worker.service import serve
+    from worker.broker.service import serve
+    from worker.engine.checkpoint import UnsupportedCheckpoint
+    from worker.engine.kernels import KernelsUnavailable
+    from worker.engine.linear import QuantizationUnavailable
 
     try:
         asyncio.run(serve(settings, info))

@@ -108,7 +108,7 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
                  ports: list[int], settings: Settings) -> list[ChildSpec]:
     """`--workers` workers per model, each with its share of the cores, then the replicas,
     each serving every model; all of them log as `up` was told to."""
-    from worker.threads import usable_cpus
+    from worker.engine.threads import usable_cpus
 
     processes = args.workers * len(infos)
     cores = usable_cpus()

@@ -6,7 +6,7 @@ one Redis command per running request per step, as much as publishing its tokens
 sets abort keys also appends their ids to one announcement stream (`Keys.aborts`), which each
 worker reads with a blocking XREAD in the background: nothing per step, one read per batch of
 aborts. A worker that missed announcements (it was restarting, Redis was away) still finds every
-abort key in its periodic check of the keys themselves (see worker/aborts.py).
+abort key in its periodic check of the keys themselves (see worker/broker/aborts.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ OpenAI's are).
 
 A request waiting in the queue is pending in the group under the consumer `QUEUED_CONSUMER`
 (the admission script delivers it there at once), so a worker takes the one it chooses with
-XCLAIM (worker/take.py) rather than the next in the stream; recovery never claims from that
+XCLAIM (worker/broker/take.py) rather than the next in the stream; recovery never claims from that
 consumer. What each key holds is typed in `shared.messages`: the stream entries, the request hash's
 fields (`RequestField`, read and written through `RequestHash`) and the heartbeat's body
 (`Heartbeat`), the rate-limit bucket's fields (`BucketField`) and the queue's

@@ -1,8 +1,8 @@
 """The public digest of a cached page: what a worker announces it holds, and what an API
 replica computes from a prompt to find the worker holding its longest prefix.
 
-A worker's prefix cache is keyed by a secret chain (worker/pages.py) that nobody outside it can
-compute, and that must stay so: it is what stops one request reusing or poisoning another's KV.
+A worker's prefix cache is keyed by a secret chain (worker/engine/pages.py) that nobody outside it
+can compute, and that must stay so: it is what stops one request reusing or poisoning another's KV.
 Placement needs a chain that both sides compute: an unkeyed BLAKE2b chain over (tenant, each
 page's tokens), 8 bytes a page. It never decides what KV a request reuses (the secret chain
 and the page's own tokens do), so a collision only sends a request to a worker that does not

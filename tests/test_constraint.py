@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from shared import grammar
 from shared.messages import GenerateRequest, SamplingParams
-from worker.constraint import Constraints
-from worker.engine import AdmissionError, Engine, EngineConfig
-from worker.kv_cache import KVPool
-from worker.model_runner import ModelRunner
+from worker.engine.constraint import Constraints
+from worker.engine.engine import AdmissionError, Engine, EngineConfig
+from worker.engine.kv_cache import KVPool
+from worker.engine.model_runner import ModelRunner
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "tags"],
           "properties": {"ok": {"type": "boolean"},

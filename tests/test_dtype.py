@@ -20,12 +20,12 @@ from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from tests.marks import KERNELS
 from tests.stack import child_env
-from worker.checkpoint import UnsupportedCheckpoint, check_config
-from worker.chunk import Chunk
-from worker.dtype import cpu_flags, pick_dtype
-from worker.engine import Engine, EngineConfig
-from worker.kv_cache import KVPool
-from worker.model_runner import ModelRunner
+from worker.engine.checkpoint import UnsupportedCheckpoint, check_config
+from worker.engine.chunk import Chunk
+from worker.engine.dtype import cpu_flags, pick_dtype
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVPool
+from worker.engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",

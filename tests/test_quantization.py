@@ -11,11 +11,11 @@ from ops.cli import parser
 from ops.options import settings_from
 from shared.models import ModelInfo
 from shared.settings import Settings
-from worker.build import build_engine
-from worker.chunk import Chunk
-from worker.kv_cache import KVPool
-from worker.linear import Linear, QuantizationUnavailable, quantize_int8
-from worker.model_runner import ModelRunner
+from worker.engine.build import build_engine
+from worker.engine.chunk import Chunk
+from worker.engine.kv_cache import KVPool
+from worker.engine.linear import Linear, QuantizationUnavailable, quantize_int8
+from worker.engine.model_runner import ModelRunner
 
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
              "Explain photosynthesis in one paragraph."]

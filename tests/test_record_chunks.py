@@ -1,4 +1,4 @@
-"""The record written in chunks (worker/record.py), the feed as the live path.
+"""The record written in chunks (worker/broker/record.py), the feed as the live path.
 
 A replica's reader, on a real Redis with the test playing the worker: a client that falls
 behind while the record trails the feed gets every token once, in order (record, then the feed
@@ -41,8 +41,8 @@ from shared.messages import (
 )
 from shared.redis_conn import connect
 from tests.stack import Stack, eventually
-from worker.record import Record
-from worker.recovery import Claimed, Recovery, lost_tail
+from worker.broker.record import Record
+from worker.broker.recovery import Claimed, Recovery, lost_tail
 
 MODEL = "tiny-llama"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.messages import SamplingParams
-from worker.sampler import Row, SamplingError, make_generator, sample
+from worker.engine.sampler import Row, SamplingError, make_generator, sample
 
 
 def _one(logits: list[float], output: tuple[int, ...] = (), prompt: tuple[int, ...] = (),

@@ -28,10 +28,10 @@ from shared.messages import (
 from shared.redis_conn import RedisClients, connect
 from shared.settings import Settings
 from tests.stack import Stack, eventually
-from worker.aborts import AbortWatch
-from worker.engine import StepOutput
-from worker.publisher import Publisher
-from worker.recovery import Recovery
+from worker.broker.aborts import AbortWatch
+from worker.broker.publisher import Publisher
+from worker.broker.recovery import Recovery
+from worker.engine.engine import StepOutput
 
 MODEL = "tiny-llama"
 

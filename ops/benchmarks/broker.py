@@ -1,6 +1,6 @@
 """Broker scaling: requests/s and tokens/s through real API replicas, Redis and workers, with
 the model replaced by a fixed-time stand-in (`REDSERVE_SYNTHETIC_STEP_MS`, see
-worker/synthetic.py), so that what is measured is the serving layer, not a CPU-bound model.
+worker/engine/synthetic.py), so that what is measured is the serving layer, not a CPU-bound model.
 
     python -m ops.benchmarks.broker [--step-ms 50] [--max-running 16] [--tokens 32]
                                [--concurrency 96] [--seconds 15]

@@ -43,8 +43,8 @@ from shared import grammar
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker import constraint
-from worker.engine import Engine
+from worker.engine import constraint
+from worker.engine.engine import Engine
 
 BATCH = 32
 MIXES = (0, 8, 32)  # constrained rows per batch
@@ -127,7 +127,7 @@ class Run:
 
 
 def _engine(dtype: str, prompt_len: int) -> Engine:
-    from worker.build import build_engine
+    from worker.engine.build import build_engine
 
     settings = Settings(device="cpu", dtype=dtype,  # type: ignore[arg-type]  # a --dtype choice
                         max_running=BATCH, max_prefill_tokens=BATCH * prompt_len,

@@ -7,7 +7,7 @@ tokens each with EOS ignored, greedy, on the default model (SmolLM2-135M) at `--
 by default, the dtype these targets were set at; `python -m ops.benchmarks.step` and
 `python -m ops.benchmarks.serve` measure the bf16 engine against peers at their best dtype). Each
 system runs in its own process, so each peak RSS is its own:
-- redserve: the worker engine (`worker/engine.py`), every request added at once;
+- redserve: the worker engine (`worker/engine/engine.py`), every request added at once;
 - generate_batch: transformers' continuous batching (`attn_implementation="paged|sdpa"`);
 - static: HF `generate` on one left-padded batch of every prompt;
 - and one request alone: decode tokens/s of the engine against HF `generate`.
@@ -16,7 +16,7 @@ bound base + model + KV budget + 250 MiB. `base` is the process's RSS measured j
 engine is built, with torch, transformers and the worker's modules imported (about 390 MiB
 here), which an earlier fixed allowance of 500 MiB for everything beyond model and KV left out;
 the 250 MiB are for a step's activations (512-token prefill chunks, a batch's fp32 logits),
-oneDNN's primitive caches (capped by `worker/build.py`) and what the allocator holds.
+oneDNN's primitive caches (capped by `worker/engine/build.py`) and what the allocator holds.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _hf_model(dtype: str, **kw: Any) -> Any:
 
 
 def _engine(kv_bytes: int, max_running: int, dtype: str) -> Any:
-    from worker.build import build_engine
+    from worker.engine.build import build_engine
 
     settings = Settings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
                         dtype=dtype)  # type: ignore[arg-type]  # a --dtype choice
@@ -95,7 +95,7 @@ def measure(system: str, args: argparse.Namespace) -> dict[str, float]:
     n_out = args.max_tokens
     torch.manual_seed(0)
     if system == "redserve":
-        import worker.build  # noqa: F401  # imported before `base` is read
+        import worker.engine.build  # noqa: F401  # imported before `base` is read
 
         base = _rss()
         engine = _engine(args.kv_bytes, len(prompts), args.dtype)

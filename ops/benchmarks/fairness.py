@@ -1,12 +1,12 @@
 """Fair share across tenants, measured: a light tenant's time to first token alone, then beside
 a tenant sending ten times its load, with the queue taken first-come first-served and with the
-fair share (worker/take.py), side by side in one run.
+fair share (worker/broker/take.py), side by side in one run.
 
     python -m ops.benchmarks.fairness [--duration 30] [--max-tokens 32] [--light-rps X]
                               [--heavy-factor 10] [--max-running 8] [--synthetic-step-ms X]
 
 Starts its own Valkey, one `redserve api` with an API key per tenant, and one `redserve worker`
-(the default model, or the fixed-time stand-in of worker/synthetic.py with
+(the default model, or the fixed-time stand-in of worker/engine/synthetic.py with
 `--synthetic-step-ms`, for a quick check), restarted with REDSERVE_QUEUE_POLICY=fifo, then
 fair. The worker's capacity is measured first (`--max-running` streams back to back); the light
 tenant then sends a tenth of it (unless `--light-rps`), Poisson arrivals of streaming greedy
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--heavy-factor", type=float, default=10.0)
     ap.add_argument("--max-running", type=int, default=8, help="the worker's batch")
     ap.add_argument("--synthetic-step-ms", type=float, default=None,
-                    help="replace the model by a fixed-time stand-in (worker/synthetic.py)")
+                    help="replace the model by a fixed-time stand-in (worker/engine/synthetic.py)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from worker.dtype import cpu_flags
+from worker.engine.dtype import cpu_flags
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 

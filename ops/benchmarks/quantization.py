@@ -37,12 +37,12 @@ from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.chunk import Chunk
-from worker.engine import Engine, EngineConfig
-from worker.kv_cache import KVPool
-from worker.linear import Linear
-from worker.model_runner import ModelRunner
-from worker.threads import ThreadPolicy, usable_cpus
+from worker.engine.chunk import Chunk
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVPool
+from worker.engine.linear import Linear
+from worker.engine.model_runner import ModelRunner
+from worker.engine.threads import ThreadPolicy, usable_cpus
 
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
              "Explain photosynthesis in one paragraph.", "What is the capital of France?",

@@ -6,7 +6,7 @@ streams, so the broker's overhead is a number checked against its targets, not a
 
 Starts its own Valkey (so the server's stats are this run's alone; `--redis-url` points at
 another server instead, whose stats CONFIG RESETSTAT then resets), one `redserve api` and one
-`redserve worker` (the default model, or the fixed-time stand-in of worker/synthetic.py with
+`redserve worker` (the default model, or the fixed-time stand-in of worker/engine/synthetic.py with
 `--synthetic-step-ms`). For each `--max-tokens` value, nothing restarted in between: CONFIG
 RESETSTAT, then `--streams` concurrent clients each send `--requests` greedy streaming
 completions back to back (ignore_eos, tokens counted from each stream's usage chunk); once
@@ -241,7 +241,7 @@ def main() -> None:
                     help="max_tokens of each measurement, one measurement per value "
                          "(default 64 256)")
     ap.add_argument("--synthetic-step-ms", type=float, default=None,
-                    help="replace the model by a fixed-time stand-in (worker/synthetic.py)")
+                    help="replace the model by a fixed-time stand-in (worker/engine/synthetic.py)")
     ap.add_argument("--redis-url", default=None,
                     help="use this server instead of an embedded Valkey (its stats are reset)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)

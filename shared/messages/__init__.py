@@ -13,7 +13,7 @@ Feed entry (one per worker step per replica, see `shared.keys`): `d=<JSON {<requ
 request's result entry fields}>` for each of the replica's requests the step produced.
 Exactly one `finish` or `error` entry ends every result stream. The result stream is the
 record, written in chunks (a request's first token at once, then every 16 tokens or 0.5 s:
-worker/record.py); the feed is the live path, one entry per step, kept `FEED_RETENTION_S`. A
+worker/broker/record.py); the feed is the live path, one entry per step, kept `FEED_RETENTION_S`. A
 finish entry carries the tokens not yet recorded (one XADD instead of two: Redis commands per
 token are the budget), read as a tokens entry followed by the finish (`expand`); a reply is
 rendered one token at a time, so it does not depend on the chunks. Flat string

@@ -16,7 +16,7 @@ from shared.messages.state import as_text
 @dataclass(frozen=True)
 class Heartbeat:
     """A worker's status key (`shared.keys`: `{prefix}:worker:<name>`), JSON, rewritten with a
-    TTL on every beat (`worker.presence`): what `/health` and `redserve inspect` show of it.
+    TTL on every beat (`worker.broker.presence`): what `/health` and `redserve inspect` show of it.
     A field an older worker did not write reads as its default."""
 
     model: str = ""

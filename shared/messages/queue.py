@@ -8,7 +8,7 @@ read it with one pattern and a person with `ZRANGE`:
 
 A request id and a tenant name hold no colon; the placed worker is last, so its name may. The
 admission script (api/admission.py) counts places and prompt tokens from it; the take script
-(worker/take.py) chooses from it which request a worker takes, without reading any prompt.
+(worker/broker/take.py) chooses from it which request a worker takes, without reading any prompt.
 `MEMBER_LUA` is the one parser of that text on the Lua side; both scripts start with it.
 
 Service counters (`Keys.service`, a hash): tenant -> the tokens it has been served, each

@@ -47,7 +47,7 @@ class GenerateRequest(BaseModel):
     # Lark grammar or tool calls, compiled by the replica into llguidance's grammar format.
     grammar: str | None = None
     trace_id: str = ""
-    # Scheduling (see api/admission.py and worker/intake.py): vLLM's `priority` (lower runs
+    # Scheduling (see api/admission.py and worker/broker/intake.py): vLLM's `priority` (lower runs
     # first), the tenant's fair-share weight (shared/tenants.py), and the worker placement
     # chose because it holds the prompt's prefix ("" = any worker).
     priority: int = 0

@@ -2,7 +2,7 @@
 exactly one finish or error. Flat string fields, so `redis-cli XRANGE` reads them.
 
 The feed carries every step's tokens as they come; the result stream is the record, written in
-chunks (worker/record.py), so one entry there may hold many tokens. A reply is rendered one
+chunks (worker/broker/record.py), so one entry there may hold many tokens. A reply is rendered one
 token at a time (`Tokens.split`, api/replies/merge.py), so it is the same from either.
 """
 
@@ -103,9 +103,9 @@ def _tokens(f: dict[str, str]) -> Tokens:
 
 # How long a replica's feed keeps its entries (trimmed by entry id, i.e. time). The feed holds
 # the tokens not yet in a request's record: what a worker taking over a dead worker's request
-# reads back (worker/recovery.py), so this spans the takeover delay (twice the heartbeat TTL)
+# reads back (worker/broker/recovery.py), so this spans the takeover delay (twice the heartbeat TTL)
 # many times over (a takeover later than that cannot continue a sampled request: see
-# worker/recovery.py). Entries are trimmed by Redis's clock, which the ids carry.
+# worker/broker/recovery.py). Entries are trimmed by Redis's clock, which the ids carry.
 FEED_RETENTION_S = 120
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.messages import GenerateRequest
-from worker.constraint import Constraint
+from worker.engine.constraint import Constraint
 
 
 # eq=False: a request is itself only (the scheduler finds and removes it by identity, and two

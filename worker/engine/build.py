@@ -21,16 +21,16 @@ from transformers import AutoTokenizer
 
 from shared.models import ModelInfo
 from shared.settings import Settings
-from worker import checkpoint
-from worker.constraint import Constraints
-from worker.dev_hooks import DevHooks
-from worker.dtype import dtype_name, pick_dtype
-from worker.engine import Engine, EngineConfig
-from worker.kv_cache import KVPool, budget_bytes
-from worker.linear import check_quantization
-from worker.model_runner import ModelRunner
-from worker.synthetic import SyntheticRunner
-from worker.threads import ThreadPolicy, usable_cpus
+from worker.engine import checkpoint
+from worker.engine.constraint import Constraints
+from worker.engine.dev_hooks import DevHooks
+from worker.engine.dtype import dtype_name, pick_dtype
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVPool, budget_bytes
+from worker.engine.linear import check_quantization
+from worker.engine.model_runner import ModelRunner
+from worker.engine.synthetic import SyntheticRunner
+from worker.engine.threads import ThreadPolicy, usable_cpus
 
 log = logging.getLogger("redserve.worker")
 

@@ -1,6 +1,6 @@
 """Loading a checkpoint this engine can run, and refusing one it cannot, before serving it.
 
-The forward pass in `worker/model_runner.py` is written for Llama-family decoders: SiLU-gated
+The forward pass in `worker/engine/model_runner.py` is written for Llama-family decoders: SiLU-gated
 MLPs without bias, rotary embeddings whose tables depend only on the position, full causal
 attention. A checkpoint outside that (quantized weights, another activation, a RoPE variant
 whose frequencies change with the sequence length, sliding windows) would load without error

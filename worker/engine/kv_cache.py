@@ -3,7 +3,7 @@
 A page holds `page_size` consecutive tokens of one request; a request's page table lists its
 pages in order, so token `i` lives in slot `pages[i // page_size] * page_size + i % page_size`.
 How a page lays out its tokens and heads is the attention's (`KVShape.head_major`).
-The pool never grows: serving only hands pages out and takes them back (`worker/pages.py`).
+The pool never grows: serving only hands pages out and takes them back (`worker/engine/pages.py`).
 """
 
 from __future__ import annotations

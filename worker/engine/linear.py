@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from worker.dtype import dtype_name
+from worker.engine.dtype import dtype_name
 
 Quantization = Literal["none", "int8"]
 

@@ -8,7 +8,7 @@ and shows the request started), then its tokens whenever 16 are waiting, or the 
 waited 0.5 s, or the last chunk is 0.5 s old (a token after a pause, a preemption say, goes at
 once), and the rest with the finish. So every token the record lacks came within 0.5 s and a
 step of the record's last entry, and is still in the feed (kept `FEED_RETENTION_S`): a worker
-taking over reads the record and then the feed just after it (worker/recovery.py), a replica
+taking over reads the record and then the feed just after it (worker/broker/recovery.py), a replica
 whose client fell behind waits for the record to catch up (api/reader.py), and a resumed
 stream reads the record as it grows (api/resume.py), so each continues exactly from what the
 client saw.

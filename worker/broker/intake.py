@@ -1,13 +1,13 @@
 """Taking requests off the model's queue, in the background, only as far as there is room.
 
-Whenever the worker has room, the take script (worker/take.py) hands it the queued requests it
-should run next (fair share, priority, placement), up to that room, in one command. With room
+Whenever the worker has room, the take script (worker/broker/take.py) hands it the queued requests
+it should run next (fair share, priority, placement), up to that room, in one command. With room
 left and nothing more for it, the intake blocks on XREAD from where the stream ended at that
 take, so a request that arrives even a moment after it wakes the worker at once (and one placed
 on another worker is looked at again when it becomes anyone's). All of this runs beside the
 steps rather than between them: a request that arrives mid-step is taken as it arrives and
 admitted at the next step boundary. Requests claimed from dead workers (see
-worker/recovery.py) join the same queue. Each batch's abort keys are read once, before the
+worker/broker/recovery.py) join the same queue. Each batch's abort keys are read once, before the
 batch is offered (where an announcement could have been missed, see `offer`), so a request
 cancelled while it was queued never starts.
 
@@ -32,9 +32,9 @@ from shared.keys import WORKER_GROUP
 from shared.messages import GenerateRequest
 from shared.redis_conn import RedisClients, StreamEntries
 from shared.retry import RedisBackoff
-from worker.aborts import LOOKBACK_MS, AbortWatch
-from worker.recovery import Claimed
-from worker.take import Room, Taken, Taker
+from worker.broker.aborts import LOOKBACK_MS, AbortWatch
+from worker.broker.recovery import Claimed
+from worker.broker.take import Room, Taken, Taker
 
 log = logging.getLogger("redserve.worker")
 

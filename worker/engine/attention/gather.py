@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.chunk import Chunk
-from worker.kv_cache import KVPool
+from worker.engine.chunk import Chunk
+from worker.engine.kv_cache import KVPool
 
 # Decode requests per attention call, at most. Sorting by length and splitting the batch into
 # groups cut the padded work by about a third on a batch of 64 mixed-length requests.

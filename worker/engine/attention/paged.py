@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.chunk import Chunk
-from worker.kv_cache import KVPool
+from worker.engine.chunk import Chunk
+from worker.engine.kv_cache import KVPool
 
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what the kernel is built for
 

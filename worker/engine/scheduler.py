@@ -38,9 +38,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.messages import GenerateRequest
-from worker.chunk import Chunk
-from worker.pages import PageManager
-from worker.sequence import Sequence
+from worker.engine.chunk import Chunk
+from worker.engine.pages import PageManager
+from worker.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

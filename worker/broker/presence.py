@@ -8,11 +8,11 @@ Every `heartbeat_ttl_s / 3` seconds, in one place:
   cache is steady costs one EXPIRE a beat; the heartbeat carries the summary's version, so the
   API replicas' placement (api/placement.py) re-reads it only then;
 - its model's request stream TTL (the stream lives while a worker serves it);
-- the idle time of every entry it holds (see worker/recovery.py), and, unless draining, a claim
-  of entries abandoned by dead workers;
+- the idle time of every entry it holds (see worker/broker/recovery.py), and, unless draining,
+  a claim of entries abandoned by dead workers;
 - the abort keys of every request it holds, which catches any announcement it missed;
 - the tokens it generated per tenant since its last take, charged to their service counters
-  (worker/take.py), so an idle or full worker's tally is not held back.
+  (worker/broker/take.py), so an idle or full worker's tally is not held back.
 Each part fails on its own (logged), so a Redis hiccup never stops the beat.
 
 The status key's body is what an operator sees of the worker (`/health`, `redserve inspect`):
@@ -35,10 +35,10 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.messages import Heartbeat, PrefixSummary
-from worker.aborts import AbortWatch
-from worker.intake import Intake
-from worker.publisher import Publisher
-from worker.recovery import Recovery
+from worker.broker.aborts import AbortWatch
+from worker.broker.intake import Intake
+from worker.broker.publisher import Publisher
+from worker.broker.recovery import Recovery
 
 log = logging.getLogger("redserve.worker")
 

@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 
 from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
-from worker.engine import Engine
-from worker.scheduler import Admitted
+from worker.engine.engine import Engine
+from worker.engine.scheduler import Admitted
 
 log = logging.getLogger("redserve.worker.requests")
 

@@ -3,8 +3,8 @@ terminal entry is ever lost.
 
 Staged per step, sent by `flush`:
 - requests admitted (their state; their queue places were freed by the take itself, see
-  worker/take.py);
-- the record chunks that are due (worker/record.py: a request's first token at once, then
+  worker/broker/take.py);
+- the record chunks that are due (worker/broker/record.py: a request's first token at once, then
   every 16 tokens or 0.5 s; one XADD each, the first also sets its stream's TTL);
 - ended requests: one entry carrying the unrecorded tokens and the finish (or a chunk, then an
   error), and the short TTL of a finished request on its stream and hash;
@@ -49,10 +49,10 @@ from shared.messages import (
     feed_min_id,
 )
 from shared.settings import Settings
-from worker.engine import StepOutput
-from worker.metrics import WorkerMetrics
-from worker.record import Record
-from worker.staged import Ending, Staged
+from worker.broker.metrics import WorkerMetrics
+from worker.broker.record import Record
+from worker.broker.staged import Ending, Staged
+from worker.engine.engine import StepOutput
 
 BATCH_S = 0.5
 # How often the offset between this clock and Redis's is read again (the feed is trimmed by

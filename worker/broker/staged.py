@@ -1,5 +1,5 @@
 """What a worker's flush writes, between the step that produced it and Redis having it
-(worker/publisher.py): per request, its feed entries, record chunks, state and terminal
+(worker/broker/publisher.py): per request, its feed entries, record chunks, state and terminal
 entry, and the request-stream entries to acknowledge or hand back. A flush that fails keeps
 what must not be lost in a second `Staged`, the outbox, which later flushes retry first.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shared.messages import Error, Finish, RequestHash, Tokens
-from worker.metrics import Clock
+from worker.broker.metrics import Clock
 
 
 @dataclass(frozen=True)

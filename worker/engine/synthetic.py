@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.chunk import Chunk
-from worker.kv_cache import KVPool, KVShape
+from worker.engine.chunk import Chunk
+from worker.engine.kv_cache import KVPool, KVShape
 
 SYNTHETIC_TOKEN = 100
 

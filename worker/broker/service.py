@@ -2,8 +2,8 @@
 
 Each step overlaps Redis with compute: the model runs step N on a thread while the event loop
 publishes step N-1 (one pipeline). New requests are read in the background as they arrive
-(worker/intake.py) and cancellations are heard the same way (worker/aborts.py), so a step
-costs no Redis command beyond its tokens; both are applied at the step boundary, where a
+(worker/broker/intake.py) and cancellations are heard the same way (worker/broker/aborts.py), so a
+step costs no Redis command beyond its tokens; both are applied at the step boundary, where a
 cancelled request's pages are freed. A request past its deadline is ended there too.
 
 When Redis fails mid-step, nothing already decided is lost: the step's outputs are still staged,
@@ -32,17 +32,17 @@ from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect
 from shared.retry import RedisBackoff
 from shared.settings import Settings
-from worker.aborts import AbortWatch
-from worker.build import build_engine
-from worker.dev_hooks import DevHooks
-from worker.dtype import dtype_name
-from worker.engine import AdmissionError, Engine, StepOutput
-from worker.intake import Intake
-from worker.metrics import WorkerMetrics
-from worker.presence import Presence
-from worker.publisher import Publisher
-from worker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
-from worker.take import Room, TakePolicy, Taker
+from worker.broker.aborts import AbortWatch
+from worker.broker.intake import Intake
+from worker.broker.metrics import WorkerMetrics
+from worker.broker.presence import Presence
+from worker.broker.publisher import Publisher
+from worker.broker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
+from worker.broker.take import Room, TakePolicy, Taker
+from worker.engine.build import build_engine
+from worker.engine.dev_hooks import DevHooks
+from worker.engine.dtype import dtype_name
+from worker.engine.engine import AdmissionError, Engine, StepOutput
 
 log = logging.getLogger("redserve.worker")
 
@@ -73,13 +73,13 @@ class WorkerService:
             self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
             self.intake, self.aborts, self.engine.pages.summary)
         self.stopping = asyncio.Event()
-        self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/dev_hooks.py)
+        self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/engine/dev_hooks.py)
 
     def _room(self) -> int:
         return self.settings.max_running - self.engine.num_requests
 
     def _take_room(self) -> Room:
-        """What the intake may take now, beside what it holds already (see worker/take.py:
+        """What the intake may take now, beside what it holds already (see worker/broker/take.py:
         the burst is for tenants holding less than their share of the batch)."""
         tenants = collections.Counter(self.engine.tenants())
         tenants.update(c.request.tenant for c in self.intake.queue)
@@ -184,7 +184,7 @@ class WorkerService:
 
     def _served(self, held: dict[str, GenerateRequest], outputs: list[StepOutput]) -> None:
         """Each tenant's tokens of the step, for its service counter (weighted, charged with
-        the next take: worker/take.py) and the metrics."""
+        the next take: worker/broker/take.py) and the metrics."""
         tokens: collections.Counter[tuple[str, float]] = collections.Counter()
         for out in outputs:
             request = held.get(out.request_id)

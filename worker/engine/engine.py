@@ -1,9 +1,9 @@
 """The worker's engine: one step at a time, schedule -> run -> postprocess.
 
-`step` asks the scheduler (`worker.scheduler`, which owns the queue, the running set and every
-KV page) for this step's plan, runs the plan's chunks through the model in one forward pass,
+`step` asks the scheduler (`worker.engine.scheduler`, which owns the queue, the running set and
+every KV page) for this step's plan, runs the plan's chunks through the model in one forward pass,
 then samples a token for each request whose chunk reached the end of its tokens, its logits
-first masked by its grammar when it has one (`worker.constraint`) and its stop tokens while
+first masked by its grammar when it has one (`worker.engine.constraint`) and its stop tokens while
 `min_tokens` is not reached. What a token means for its request (a stop, a complete grammar,
 the length limit) is decided here; the scheduler only hears that the request finished.
 
@@ -21,19 +21,19 @@ from typing import Protocol
 import torch
 
 from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
-from worker.chunk import Chunk
-from worker.constraint import ConstraintError, Constraints, suppress
-from worker.kv_cache import KVPool, KVShape
-from worker.pages import PageManager
-from worker.sampler import Row, SamplingError, make_generator, sample
-from worker.scheduler import Admitted, Scheduler, SchedulerConfig, SchedulerOutput
-from worker.sequence import Sequence
-from worker.threads import ThreadPolicy
+from worker.engine.chunk import Chunk
+from worker.engine.constraint import ConstraintError, Constraints, suppress
+from worker.engine.kv_cache import KVPool, KVShape
+from worker.engine.pages import PageManager
+from worker.engine.sampler import Row, SamplingError, make_generator, sample
+from worker.engine.scheduler import Admitted, Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.sequence import Sequence
+from worker.engine.threads import ThreadPolicy
 
 
 class Runner(Protocol):
-    """What the engine needs of a model: `worker.model_runner.ModelRunner`, or the
-    benchmark-only `worker.synthetic.SyntheticRunner`."""
+    """What the engine needs of a model: `worker.engine.model_runner.ModelRunner`, or the
+    benchmark-only `worker.engine.synthetic.SyntheticRunner`."""
 
     kv_shape: KVShape
 

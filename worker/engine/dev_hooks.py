@@ -6,7 +6,7 @@ here, from their own environment variables, by the two places that act on them.
 - `REDSERVE_FAULT_TOKEN_ID`: a step whose batch holds a prompt containing this token id
   raises, as a model failure would (the chaos, lifecycle and leak-audit tests);
 - `REDSERVE_SYNTHETIC_STEP_MS`: the model is replaced by a stand-in whose every step takes
-  this long (`worker/synthetic.py`), so the serving layer can be measured without a model
+  this long (`worker/engine/synthetic.py`), so the serving layer can be measured without a model
   worth its time (`ops/benchmarks/broker.py`, `ops/benchmarks/redis_cost.py`).
 """
 
