@@ -24,7 +24,7 @@ from shared.keys import Keys, new_replica_tag
 from shared.messages import Error
 from shared.models import parse_specs, resolve_models
 from shared.redis_conn import connect
-from shared.settings import Settings
+from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies, tenant_policies
 
 log = logging.getLogger("redserve.api")
@@ -32,7 +32,7 @@ log = logging.getLogger("redserve.api")
 SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: ApiSettings) -> FastAPI:
     if settings.redis_url is None:
         raise ValueError("the API needs REDIS_URL (redserve up starts a server when it is unset)")
     redis_url = settings.redis_url
@@ -115,7 +115,7 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def load_policies(settings: Settings, api_keys: APIKeys) -> TenantPolicies:
+def load_policies(settings: ApiSettings, api_keys: APIKeys) -> TenantPolicies:
     """Each tenant's rate limits and fair-share weight, loaded once, as the replica starts
     (TenantsConfigError: it must not start). A tenant the file names that no API key has is
     most likely a typo: said, not refused (its keys may come with the next rollout)."""

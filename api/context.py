@@ -21,7 +21,7 @@ from shared.keys import Keys
 from shared.messages import Error
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients
-from shared.settings import Settings
+from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies
 
 
@@ -98,7 +98,7 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class AppContext:
-    settings: Settings
+    settings: ApiSettings
     keys: Keys
     models: dict[str, ServedModel]  # by the name clients use
     clients: RedisClients

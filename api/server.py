@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import create_app, drain
-from shared.settings import Settings
+from shared.settings import ApiSettings
 
 log = logging.getLogger("redserve.api")
 
@@ -39,7 +39,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run(settings: Settings) -> None:
+def run(settings: ApiSettings) -> None:
     app = create_app(settings)
     keys = app.state.api_keys
     if keys.enabled:

@@ -23,7 +23,7 @@ from ops.options import (
 )
 from shared.logs import setup_logging
 from shared.models import ModelNotFound, resolve_model
-from shared.settings import Settings
+from shared.settings import ApiSettings, Settings, WorkerSettings
 
 log = logging.getLogger("redserve.cli")
 
@@ -88,19 +88,19 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.command != "bench":  # a client of any server: it needs no setting of redserve's
-        setup_logging(settings_from(args, *(name for name in LOGGING if hasattr(args, name))),
+        logging = (name for name in LOGGING if hasattr(args, name))
+        setup_logging(settings_from(Settings, args, *logging),
                       loads_models=args.command in ("up", "api", "worker"))
     if args.command == "api":
-        run_api(settings_from(args, "host", "port", "model", "served_model_name", "models_file",
-                              "api_keys_file", "no_auth", *LIMITS, "placement",
+        run_api(settings_from(ApiSettings, args, "host", "port", "model", "served_model_name",
+                              "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",
                               "access_log", "log_request_text"))
     elif args.command == "worker":
-        run_worker(settings_from(args, "model", "served_model_name", "device", "dtype",
-                                 "kernels", "batch_invariant", "quantization",
+        run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", "device",
+                                 "dtype", "kernels", "batch_invariant", "quantization",
                                  "threads", "decode_threads", "max_running", "queue_policy",
-                                 "kv_cache_memory",
-                                 "page_size", "max_prefill_tokens", "worker_name",
-                                 "metrics_port"))
+                                 "kv_cache_memory", "page_size", "max_prefill_tokens",
+                                 "worker_name", "metrics_port"))
     elif args.command == "inspect":
         from ops.inspector.cli import run as run_inspect
 
@@ -121,7 +121,7 @@ def _require_redis(settings: Settings) -> None:
         sys.exit(2)
 
 
-def run_api(settings: Settings) -> None:
+def run_api(settings: ApiSettings) -> None:
     _require_redis(settings)
     model_specs(settings)  # a bad list is the command line's: say so before the slow imports
     from api.auth.keys import AuthConfigError
@@ -135,7 +135,7 @@ def run_api(settings: Settings) -> None:
         sys.exit(2)
 
 
-def run_worker(settings: Settings) -> None:
+def run_worker(settings: WorkerSettings) -> None:
     # oneDNN keeps a kernel per matmul shape; every batch size a step can take is a shape of
     # each linear layer, more than its default cache of 1024 holds.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")

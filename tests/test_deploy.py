@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from shared.keys import Keys
-from shared.settings import Settings
+from shared.settings import ApiSettings, WorkerSettings
 from tests.kustomize import KustomizeError, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,10 +112,14 @@ def _readiness_path(docs: dict[tuple[str, str], dict[str, Any]]) -> str:
     return path
 
 
-def _settings(docs: dict[tuple[str, str], dict[str, Any]]) -> Settings:
-    """The ConfigMap as the pods read it: valid settings, not merely known names."""
+def _settings(docs: dict[tuple[str, str], dict[str, Any]]) -> tuple[ApiSettings, WorkerSettings]:
+    """The ConfigMap as the pods read it, the API's and the worker's: valid settings, not
+    merely known names."""
     config = docs[("ConfigMap", "redserve")]["data"]
-    return Settings(**{k.removeprefix("REDSERVE_").lower(): v for k, v in config.items()})
+    values = {k.removeprefix("REDSERVE_").lower(): v for k, v in config.items()}
+    return (ApiSettings(**{k: v for k, v in values.items() if k in ApiSettings.model_fields}),
+            WorkerSettings(**{k: v for k, v in values.items()
+                              if k in WorkerSettings.model_fields}))
 
 
 @pytest.mark.parametrize("directory", [FIXED, AUTOSCALE], ids=["fixed", "autoscale"])
@@ -124,7 +128,8 @@ def test_kubernetes_manifests_declare_the_serving_topology(directory: Path) -> N
     config = docs[("ConfigMap", "redserve")]["data"]
     assert int(config["REDSERVE_DRAIN_GRACE_S"]) == DRAIN_GRACE_S
     for key in config:  # every key is a real setting
-        assert key.removeprefix("REDSERVE_").lower() in Settings.model_fields, key
+        name = key.removeprefix("REDSERVE_").lower()
+        assert name in ApiSettings.model_fields or name in WorkerSettings.model_fields, key
     assert "REDIS_URL" in docs[("Secret", "redserve-redis")]["stringData"]
     # Keys are required in a cluster: none is shipped, and nothing turns authentication off.
     assert docs[("Secret", "redserve-api-keys")]["stringData"] == {"REDSERVE_API_KEYS": ""}
@@ -307,9 +312,9 @@ def test_the_rendering_is_what_kubectl_kustomize_builds(directory: Path) -> None
 
 def test_workers_scale_from_zero_on_their_models_queue() -> None:
     docs = _manifests(AUTOSCALE)
-    settings = _settings(docs)
+    api, settings = _settings(docs)
     # A request taken while no worker runs waits through a cold start (schedule, pull, load).
-    assert settings.queue_timeout_s == 180
+    assert api.queue_timeout_s == settings.queue_timeout_s == 180
     # Not /ready, which needs a live worker: with the workers at zero no API pod would be in
     # the Service to take the request that starts one.
     assert _readiness_path(docs) == "/health"

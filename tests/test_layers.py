@@ -81,11 +81,11 @@ def test_the_engine_runs_where_redis_cannot_be_imported(tiny_model: Path) -> Non
         from pathlib import Path
         from shared.messages import GenerateRequest, SamplingParams
         from shared.models import ModelInfo
-        from shared.settings import Settings
+        from shared.settings import WorkerSettings
         from worker.engine.build import build_engine
 
         path = Path({str(tiny_model)!r})
-        engine = build_engine(ModelInfo("tiny", path, 512, ()), Settings(kernels="torch"))
+        engine = build_engine(ModelInfo("tiny", path, 512, ()), WorkerSettings(kernels="torch"))
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         engine.add(GenerateRequest(id="r", model="tiny", prompt_ids=(1, 2, 3), created=0.0,
                                    queue_deadline=0.0, deadline=0.0, params=params))

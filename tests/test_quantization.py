@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from ops.cli import parser
 from ops.options import settings_from
 from shared.models import ModelInfo
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.engine.build import build_engine
 from worker.engine.chunk import Chunk
 from worker.engine.kv_cache import KVPool
@@ -56,11 +56,11 @@ def test_the_setting_reaches_the_workers_model(smollm2: ModelInfo,
     args = parser().parse_args(["worker", "--quantization", "int8", "--dtype", "bfloat16"])
     assert settings_from(args, "quantization").quantization == "int8"
     monkeypatch.setenv("REDSERVE_QUANTIZATION", "int8")
-    assert Settings().quantization == "int8"
+    assert WorkerSettings().quantization == "int8"
     monkeypatch.delenv("REDSERVE_QUANTIZATION")
-    assert Settings().quantization == "none"  # off unless asked for
+    assert WorkerSettings().quantization == "none"  # off unless asked for
 
-    settings = Settings(device="cpu", dtype="bfloat16", quantization="int8",
+    settings = WorkerSettings(device="cpu", dtype="bfloat16", quantization="int8",
                         kv_cache_memory=16 * 1024**2)
     runner = build_engine(smollm2, settings).runner
     assert isinstance(runner, ModelRunner)
@@ -68,7 +68,7 @@ def test_the_setting_reaches_the_workers_model(smollm2: ModelInfo,
     assert {lin.mode for lin in decoder} == {"int8"}
     assert lm_head.mode == "packed"
     with pytest.raises(QuantizationUnavailable, match="bfloat16"):
-        build_engine(smollm2, Settings(device="cpu", dtype="float32", quantization="int8"))
+        build_engine(smollm2, WorkerSettings(device="cpu", dtype="float32", quantization="int8"))
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings
+from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies, TenantPolicy, TenantsConfigError, tenant_policies
 
 DEFAULT = TenantPolicy(requests_per_minute=100, tokens_per_minute=5000)
@@ -31,7 +31,7 @@ def test_named_tenants_override_the_default_field_by_field(tmp_path: Path) -> No
 
 
 def test_no_file_is_the_settings_default() -> None:
-    policies = tenant_policies(Settings(requests_per_minute=7, tokens_per_minute=9))
+    policies = tenant_policies(ApiSettings(requests_per_minute=7, tokens_per_minute=9))
     assert policies.of("x") == TenantPolicy(7, 9) and not policies.tenants
 
 

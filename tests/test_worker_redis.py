@@ -26,7 +26,7 @@ from shared.messages import (
     expand,
 )
 from shared.redis_conn import RedisClients, connect
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from tests.stack import Stack, eventually
 from worker.broker.aborts import AbortWatch
 from worker.broker.publisher import Publisher
@@ -63,7 +63,7 @@ def test_terminal_entries_survive_an_outage_and_are_written_once() -> None:
     async def run() -> None:
         nonlocal server
         clients = connect(url, name="test")
-        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        publisher = Publisher(clients.commands, keys, MODEL, WorkerSettings(), "w1")
         for req, eid in zip(requests, entry_ids, strict=True):
             publisher.take(req, eid)
         # The first request's terminal entry already made it before the connection broke
@@ -110,7 +110,7 @@ def test_an_ended_request_is_acknowledged_with_the_next_batch(
 
     async def run() -> None:
         clients = connect(redis_url, name="test")
-        publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+        publisher = Publisher(clients.commands, keys, MODEL, WorkerSettings(), "w1")
         await publisher.flush(batch_now=True)  # the batch was just sent: the next one waits
         for req, eid in zip(requests[:2], entry_ids[:2], strict=True):
             publisher.take(req, eid)
@@ -267,7 +267,7 @@ async def _first_token_out(url: str, keys: Keys, req: GenerateRequest,
                            entry_id: str) -> tuple[RedisClients, Publisher]:
     """w1's publisher, the request's first token published (and recorded at once)."""
     clients = connect(url, name="test")
-    publisher = Publisher(clients.commands, keys, MODEL, Settings(), "w1")
+    publisher = Publisher(clients.commands, keys, MODEL, WorkerSettings(), "w1")
     publisher.take(req, entry_id)
     publisher.stage([StepOutput(req.id, 0, 41, None, 3, 1)])
     await publisher.flush()

@@ -42,7 +42,7 @@ from ops.console import make_console
 from shared import grammar
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
-from shared.settings import DEFAULT_MODEL, Settings
+from shared.settings import DEFAULT_MODEL, WorkerSettings
 from worker.engine import constraint
 from worker.engine.engine import Engine
 
@@ -129,7 +129,7 @@ class Run:
 def _engine(dtype: str, prompt_len: int) -> Engine:
     from worker.engine.build import build_engine
 
-    settings = Settings(device="cpu", dtype=dtype,  # type: ignore[arg-type]  # a --dtype choice
+    settings = WorkerSettings(device="cpu", dtype=dtype,  # type: ignore[arg-type]  # a --dtype choice
                         max_running=BATCH, max_prefill_tokens=BATCH * prompt_len,
                         kv_cache_memory=1024**3)
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
@@ -225,7 +225,7 @@ def main() -> None:
         ap.error(f"--decode must stay under {MIN_DOCUMENT_TOKENS}: the schema's shortest "
                  "document would end a constrained row early")
     console = make_console()
-    info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    info = resolve_model(DEFAULT_MODEL, WorkerSettings().cache_dir)
     prompts = _prompts(AutoTokenizer.from_pretrained(str(info.path)))
     order = grammar.from_json_schema(json.dumps(ORDER_SCHEMA))
     with console.status("loading the model"):

@@ -37,7 +37,7 @@ from rich.table import Table
 from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
-from shared.settings import DEFAULT_MODEL, Settings
+from shared.settings import DEFAULT_MODEL, WorkerSettings
 
 MIB = 1024**2
 SYSTEMS = ("redserve", "generate_batch", "static", "redserve_single", "hf_single")
@@ -60,7 +60,7 @@ def _rss() -> float:
 def _hf_model(dtype: str, **kw: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    info = resolve_model(DEFAULT_MODEL, WorkerSettings().cache_dir)
     return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=getattr(torch, dtype),
                                                 **kw).eval()
 
@@ -68,7 +68,7 @@ def _hf_model(dtype: str, **kw: Any) -> Any:
 def _engine(kv_bytes: int, max_running: int, dtype: str) -> Any:
     from worker.engine.build import build_engine
 
-    settings = Settings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
+    settings = WorkerSettings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
                         dtype=dtype)  # type: ignore[arg-type]  # a --dtype choice
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
 

@@ -37,7 +37,7 @@ from ops.benchmarks.machine import describe
 from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
-from shared.settings import DEFAULT_MODEL, Settings
+from shared.settings import DEFAULT_MODEL, WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.sampler import Row, sample
 
@@ -67,7 +67,7 @@ def _engine(dtype: str, batch: int, config: str) -> Engine:
     from worker.engine.build import build_engine
 
     kernels, invariant = CONFIGS[config]
-    settings = Settings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
+    settings = WorkerSettings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
                         kv_cache_memory=2 * 1024**3, kernels=kernels,  # type: ignore[arg-type]
                         batch_invariant=invariant)
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)

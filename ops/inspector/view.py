@@ -26,6 +26,7 @@ from ops.inspector.snapshot import take
 from ops.options import settings_from
 from shared.keys import Keys
 from shared.redis_conn import RedisClients, connect
+from shared.settings import Settings
 
 UNREACHABLE = (RedisError, RedisClusterException, OSError)
 
@@ -33,7 +34,7 @@ UNREACHABLE = (RedisError, RedisClusterException, OSError)
 def show(args: argparse.Namespace) -> int:
     err = make_console(stderr=True)
     try:
-        settings = settings_from(args, "key_prefix")
+        settings = settings_from(Settings, args, "key_prefix")
     except ValidationError as e:
         first = e.errors()[0]
         err.print(f"[red]invalid setting {escape('.'.join(map(str, first['loc'])))}:[/red] "

@@ -48,7 +48,7 @@ from shared.messages import (
     feed_fields,
     feed_min_id,
 )
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.broker.metrics import WorkerMetrics
 from worker.broker.record import Record
 from worker.broker.staged import Ending, Staged
@@ -89,7 +89,7 @@ return ended and 0 or 1
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, settings: Settings,
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, settings: WorkerSettings,
                  name: str, metrics: WorkerMetrics | None = None) -> None:
         self.redis = redis
         self.keys = keys

@@ -31,7 +31,7 @@ from shared.messages import Error, FinishReason, GenerateRequest, Heartbeat, que
 from shared.models import ModelInfo
 from shared.redis_conn import RedisClients, connect
 from shared.retry import RedisBackoff
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.broker.aborts import AbortWatch
 from worker.broker.intake import Intake
 from worker.broker.metrics import WorkerMetrics
@@ -51,7 +51,8 @@ TIMED_OUT = Error("request timed out", "timeout", "request_timeout")
 
 
 class WorkerService:
-    def __init__(self, settings: Settings, info: ModelInfo, engine: Engine, clients: RedisClients):
+    def __init__(self, settings: WorkerSettings, info: ModelInfo, engine: Engine,
+                 clients: RedisClients):
         self.settings = settings
         self.info = info
         self.engine = engine
@@ -338,7 +339,7 @@ async def _first(*events: asyncio.Event) -> None:
             w.cancel()
 
 
-async def serve(settings: Settings, info: ModelInfo) -> None:
+async def serve(settings: WorkerSettings, info: ModelInfo) -> None:
     engine = await asyncio.to_thread(build_engine, info, settings)
     assert settings.redis_url is not None
     clients = connect(settings.redis_url, name="redserve-worker", cluster=settings.redis_cluster)

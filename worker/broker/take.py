@@ -48,7 +48,7 @@ import redis.asyncio as aioredis
 from shared.keys import QUEUE_STALE_MARGIN_S, QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import MEMBER_LUA
 from shared.redis_conn import StreamEntries
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 
 # Output tokens are charged to the service counters with a take at most this often (and with
 # every heartbeat): a few commands a second at most, however many requests are taken.
@@ -230,7 +230,7 @@ class TakePolicy:
     burst: int  # see `Room.burst`
 
     @classmethod
-    def of(cls, settings: Settings) -> TakePolicy:
+    def of(cls, settings: WorkerSettings) -> TakePolicy:
         fair = settings.queue_policy == "fair"
         return cls(fair, settings.starvation_after_s, settings.placement_wait_s,
                    settings.queue_timeout_s, settings.request_ttl_s,

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from shared.models import ModelInfo
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.engine import checkpoint
 from worker.engine.constraint import Constraints
 from worker.engine.dev_hooks import DevHooks
@@ -49,7 +49,7 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def build_engine(info: ModelInfo, settings: Settings) -> Engine:
+def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
     synthetic_step_ms = DevHooks().synthetic_step_ms
     if synthetic_step_ms:
         return _synthetic_engine(info, settings, synthetic_step_ms / 1000)
@@ -96,7 +96,7 @@ def build_constraints(info: ModelInfo) -> Constraints:
     return Constraints(tokenizer, max(vocab, len(tokenizer)), info.eos_token_ids)
 
 
-def _synthetic_engine(info: ModelInfo, settings: Settings, step_s: float) -> Engine:
+def _synthetic_engine(info: ModelInfo, settings: WorkerSettings, step_s: float) -> Engine:
     # Nothing to parallelise: more threads would only spin between steps and take CPU from
     # the processes being measured.
     torch.set_num_threads(1)
