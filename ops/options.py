@@ -79,7 +79,7 @@ def api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: 
                    "tenants file says otherwise (default 0: no limit) "
                    "[env REDSERVE_TOKENS_PER_MINUTE]")
     p.add_argument("--tenants-file", help="TOML file of per-tenant rate limits and weights, "
-                   "[tenants.<name>] tables (see the README) [env REDSERVE_TENANTS_FILE]")
+                   "[tenants.<name>] tables (see docs/operations.md) [env REDSERVE_TENANTS_FILE]")
     p.add_argument("--placement", choices=("prefix", "random", "none"),
                    help="which worker a request goes to: prefix (default: the live worker "
                    "caching the longest prefix of its prompt, else the least loaded), random "

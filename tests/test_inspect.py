@@ -1,5 +1,5 @@
-"""`redserve inspect` against a real stack with requests held in flight, and the README's
-redis-cli recipes run against the same keys.
+"""`redserve inspect` against a real stack with requests held in flight, and the redis-cli
+recipes of docs/operations.md run against the same keys.
 
 A worker with room for three requests and a 100 ms stand-in step runs a streaming request, a
 non-streaming one and a stream whose client went away (resume grace on), while a fourth waits
@@ -40,7 +40,7 @@ MODEL = "tiny-llama"
 TTL_S = 3  # the worker's heartbeat TTL
 LONG = {"model": MODEL, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
         "temperature": 0}
-README = Path(__file__).resolve().parent.parent / "README.md"
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 REDIS_CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
 
 
@@ -251,18 +251,19 @@ def test_keys_are_recognised_by_the_key_builders() -> None:
                                            frozenset({"x"}))
 
 
-# --- the README's redis-cli recipes ---------------------------------------------------------
+# --- docs/operations.md's redis-cli recipes -------------------------------------------------------
 
 EXAMPLE_ID = "9051c738-3347a48c44e9294cf8eba197"
 EXAMPLE_MODEL = "SmolLM2-135M-Instruct"
 EXAMPLE_WORKER = "gpu-0-4242"
 
 
-def readme_recipes() -> list[str]:
-    """Every `redis-cli` line of the README's recipe block (the one after "To look at")."""
-    text = README.read_text()
+def doc_recipes() -> list[str]:
+    """Every `redis-cli` line of docs/operations.md's recipe block (the one after "To look
+    at")."""
+    text = OPERATIONS.read_text()
     block = re.search(r"To look at.*?```sh\n(.*?)```", text, re.S)
-    assert block is not None, "the README's redis-cli recipe block is missing"
+    assert block is not None, "the redis-cli recipe block of docs/operations.md is missing"
     return [line for line in block.group(1).splitlines() if line.startswith("redis-cli ")]
 
 
@@ -281,7 +282,7 @@ def _live(recipe: str, busy: Busy) -> list[str]:
 
 
 def _check(command: str, reply: Any, busy: Busy) -> None:
-    """What the README says each command returns."""
+    """What docs/operations.md says each command returns."""
     if command == "HGETALL" and "state" not in reply:  # the model's service counters
         assert float(reply["anonymous"]) > 0
     elif command == "HGETALL":  # the request's hash
@@ -306,12 +307,12 @@ def _check(command: str, reply: Any, busy: Busy) -> None:
     elif command == "GET":  # a worker's heartbeat, JSON
         assert orjson.loads(reply)["model"] == MODEL
     else:
-        raise AssertionError(f"the README recipe {command} has no check here: add one")
+        raise AssertionError(f"the recipe {command} has no check here: add one")
 
 
 @pytest.mark.skipif(REDIS_CLI is None, reason="needs redis-cli")
-def test_readme_recipes_return_what_the_readme_says(busy: Busy) -> None:
-    recipes = readme_recipes()
+def test_doc_recipes_return_what_the_doc_says(busy: Busy) -> None:
+    recipes = doc_recipes()
     assert len(recipes) >= 8
     for recipe in recipes:
         argv = _live(recipe, busy)
