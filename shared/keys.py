@@ -1,9 +1,8 @@
 """Every Redis key redserve writes, in one place.
 
 A request id embeds the hash tag of the API replica that accepted it (`<replica>-<random>`), and
-all of that request's keys carry the tag in braces. So one replica's result streams share a
-Redis Cluster slot (its single multiplexed XREAD is legal there), and any replica can derive a
-request's keys from its id alone. A model's keys carry the model's name as their hash tag: its
+all of that request's keys carry the tag in braces. So one replica's feed and all its requests'
+keys share a Redis Cluster slot, and any replica can derive a request's keys from its id alone. A model's keys carry the model's name as their hash tag: its
 queue, its request stream and its tenants' rate-limit buckets share a slot, so one script can
 check a tenant's limits, admit and enqueue a request (and the limits are per model, as
 OpenAI's are).
