@@ -2,10 +2,10 @@
 
 A request id embeds the hash tag of the API replica that accepted it (`<replica>-<random>`), and
 all of that request's keys carry the tag in braces. So one replica's feed and all its requests'
-keys share a Redis Cluster slot, and any replica can derive a request's keys from its id alone. A model's keys carry the model's name as their hash tag: its
-queue, its request stream and its tenants' rate-limit buckets share a slot, so one script can
-check a tenant's limits, admit and enqueue a request (and the limits are per model, as
-OpenAI's are).
+keys share a Redis Cluster slot, and any replica can derive a request's keys from its id alone.
+A model's keys carry the model's name as their hash tag: its queue, its request stream and its
+tenants' rate-limit buckets share a slot, so one script can check a tenant's limits, admit and
+enqueue a request (and the limits are per model, as OpenAI's are).
 
     {prefix}:model:{<model>}:requests      stream of unfinished requests, group `workers` (TTL)
     {prefix}:model:{<model>}:queued        sorted set of requests no worker took yet (TTL)
