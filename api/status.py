@@ -143,7 +143,8 @@ async def metrics(request: Request) -> Response:
 async def queue(request: Request, model: str) -> dict[str, Any]:
     """How many of the model's requests wait for a worker: KEDA's metrics-api trigger reads
     `waiting` (the consumer group's lag cannot tell: waiting requests are pending under the
-    queue's consumer, see worker/broker/take.py). Like /metrics, it names no tenant or request."""
+    queue's consumer, see shared/scripts/handoff.py). Like /metrics, it names no tenant or
+    request."""
     ctx = _ctx(request)
     if model not in ctx.models:
         raise APIError(404, f"The model {model!r} does not exist", code="model_not_found",

@@ -24,12 +24,12 @@ enqueue a request (and the limits are per model, as OpenAI's are).
 
 A request waiting in the queue is pending in the group under the consumer `QUEUED_CONSUMER`
 (the admission script delivers it there at once), so a worker takes the one it chooses with
-XCLAIM (worker/broker/take.py) rather than the next in the stream; recovery never claims from that
-consumer. What each key holds is typed in `shared.messages`: the stream entries, the request hash's
+XCLAIM (the take script) rather than the next in the stream; recovery never claims from that
+consumer. That hand-off is typed in `shared.scripts.handoff`, beside the scripts themselves.
+What each key holds is typed in `shared.messages`: the stream entries, the request hash's
 fields (`RequestField`, read and written through `RequestHash`) and the heartbeat's body
-(`Heartbeat`), the rate-limit bucket's fields (`BucketField`) and the queue's
-member and service counters (`QueueMember`, `ServiceCounters`); nothing else spells a
-field's name.
+(`Heartbeat`), the rate-limit bucket's fields (`BucketField`) and the queue's member and
+service counters (`QueueMember`, `ServiceCounters`); nothing else spells a field's name.
 
 A request stream holds only work not yet finished: a worker deletes an entry (XACK + XDEL) when
 it writes the request's terminal entry, and entries older than the request TTL are trimmed as

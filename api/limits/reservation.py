@@ -3,10 +3,11 @@
 A reply is charged one request and its whole possible token cost (every prompt once, plus
 `max_tokens` for each of its `n` choices) by its first choice's admission script, before any
 other choice is queued. Each choice reports how it ended as it closes (however it ended:
-finished, cancelled, disconnected, timed out, refused); when the last one has, one script call
-gives back what the reply did not use: each choice's `max_tokens` less what it generated, and
-the prompts too if no choice produced anything (it failed before its first token). A reply
-refused at admission (a later choice found the queue full) gets its request back as well.
+finished, cancelled, disconnected, timed out, refused); when the last one has, one call of
+the settle script (shared/scripts/limits.py) gives back what the reply did not use: each
+choice's `max_tokens` less what it generated, and the prompts too if no choice produced
+anything (it failed before its first token). A reply refused at admission (a later choice
+found the queue full) gets its request back as well.
 
 A stream whose client left while it runs on for a resume (`api.resume`) keeps its choice's
 whole reservation: the tokens it goes on producing reach another replica, which cannot settle
@@ -20,10 +21,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from api.limits.bucket import SETTLE, BucketReply, Charge
+from api.limits.bucket import BucketReply, Charge
 from api.limits.replies import headers
 from shared.keys import Keys
 from shared.messages import GenerateRequest
+from shared.scripts.limits import SETTLE, SettleArgs, SettleKeys
 from shared.tenants import TenantPolicy
 
 log = logging.getLogger("redserve.api")
@@ -71,7 +73,7 @@ class RateLimits:
     keys: Keys
 
     def __post_init__(self) -> None:
-        self._settle = self.redis.register_script(SETTLE)
+        self._settle = SETTLE.bind(self.redis)
 
     def reserve(self, policy: TenantPolicy, requests: list[GenerateRequest],
                 prompt_tokens: int) -> Reservation | None:
@@ -88,8 +90,9 @@ class RateLimits:
 
     async def settle(self, charge: Charge, requests: int, tokens: int) -> None:
         try:
-            await self._settle(keys=[charge.key], args=[
-                charge.requests_per_minute, charge.tokens_per_minute, requests, tokens])
+            await self._settle(SettleKeys(charge.key), SettleArgs(
+                charge.requests_per_minute, charge.tokens_per_minute, requests_back=requests,
+                tokens_back=tokens))
         except aioredis.RedisError as e:  # the bucket refills anyway: only the refund is lost
             log.warning("rate limit not settled (%d requests, %d tokens kept): %s", requests,
                         tokens, e)

@@ -48,8 +48,8 @@ from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
 RATIO_TARGET = 1.5
-KEYS = {"light": "sk-light-0123456789", "heavy": "sk-heavy-0123456789",
-        "probe": "sk-probe-0123456789"}  # probe: the capacity measurement
+API_KEY_OF = {"light": "sk-light-0123456789", "heavy": "sk-heavy-0123456789",
+              "probe": "sk-probe-0123456789"}  # probe: the capacity measurement
 CALIBRATE_S = 10.0
 
 
@@ -72,7 +72,7 @@ class Processes:
         self.prefix = f"bench-fair-{uuid.uuid4().hex[:6]}"
         self.env = {**os.environ, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": self.prefix,
                     "REDSERVE_MAX_RUNNING": str(args.max_running),
-                    "REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in KEYS.items())}
+                    "REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in API_KEY_OF.items())}
         if args.synthetic_step_ms is not None:
             self.env["REDSERVE_SYNTHETIC_STEP_MS"] = str(args.synthetic_step_ms)
         self.model = ["--model", str(model), "--served-model-name", DEFAULT_MODEL]
@@ -126,7 +126,7 @@ async def _request(client: httpx.AsyncClient, tenant: str, max_tokens: int, n: i
     started = time.perf_counter()
     ttft = None
     async with client.stream("POST", "/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {KEYS[tenant]}"}) as response:
+                             headers={"Authorization": f"Bearer {API_KEY_OF[tenant]}"}) as response:
         if response.status_code == 429:
             return None
         if response.status_code != 200:

@@ -26,6 +26,8 @@ Heartbeat (`Heartbeat`): a worker's status as JSON, rewritten on every beat.
 Rate-limit bucket hash (`BucketField` names its fields, `Bucket` reads them): a tenant's
 request and token levels for one model, written by the replicas' admission and settle scripts.
 Queued-set member (`QueueMember`) and service counters (`ServiceCounters`): see `queue`.
+The Lua scripts that write these keys atomically, with typed KEYS, ARGV and replies, are in
+`shared.scripts` (the admission→take hand-off: `shared.scripts.handoff`).
 A worker's prefix summary (`PrefixSummary`): the public digests of its cached pages, binary.
 """
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 from shared.messages.heartbeat import Heartbeat
 from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
 from shared.messages.placement import PrefixSummary
-from shared.messages.queue import MEMBER_LUA, QueueMember, ServiceCounters
+from shared.messages.queue import QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.results import (
     FEED_RETENTION_S,
@@ -54,7 +56,7 @@ from shared.messages.results import (
 from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
-    "BUCKET_TTL_MS", "FEED_RETENTION_S", "MEMBER_LUA", "WINDOW_MS", "Bucket", "BucketField",
+    "BUCKET_TTL_MS", "FEED_RETENTION_S", "WINDOW_MS", "Bucket", "BucketField",
     "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary",
     "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
     "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",

@@ -2,8 +2,9 @@
 
 Two token buckets in one hash, requests and tokens, each holding at most its per-minute limit
 and refilling at limit/60 a second (so a tenant idle for a minute has its whole minute back).
-The API replicas' admission script refills, checks and charges them (`api/limits/`), the
-settle script gives back what a finished reply did not use, and `redserve inspect` reads them.
+The API replicas' admission script refills, checks and charges them, the settle script gives
+back what a finished reply did not use (both: shared/scripts/limits.py), and `redserve
+inspect` reads them.
 A level is stored with the Redis time (ms) it was true at, so a reader computes the level now
 without writing; a missing hash is a full bucket. Every write sets the hash's TTL to the
 window and a second: past it the bucket would be full again anyway, so it may go.

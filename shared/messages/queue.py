@@ -7,9 +7,11 @@ read it with one pattern and a person with `ZRANGE`:
     <request id>:<tenant>:<prompt tokens>:<priority>:<weight>:<placed worker>
 
 A request id and a tenant name hold no colon; the placed worker is last, so its name may. The
-admission script (api/admission.py) counts places and prompt tokens from it; the take script
-(worker/broker/take.py) chooses from it which request a worker takes, without reading any prompt.
-`MEMBER_LUA` is the one parser of that text on the Lua side; both scripts start with it.
+admission script (shared/scripts/admit.py) counts places and prompt tokens from it; the take
+script (shared/scripts/take.py) chooses from it which request a worker takes, without reading
+any prompt. `QueueMember` below is its Python side; `MEMBER_LUA` in shared/scripts/handoff.py
+is the one parser of it in Lua, and both scripts start with it: a change to the format is a
+change to both.
 
 Service counters (`Keys.service`, a hash): tenant -> the tokens it has been served, each
 divided by its weight (prompt tokens when a worker takes a request, output tokens as they are
@@ -21,17 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-# Lua: parse_member(text) -> table with the member's fields, or nil for a foreign member.
-MEMBER_LUA = """
-local function parse_member(text)
-  local id, tenant, tokens, priority, weight, worker =
-    string.match(text, '^([^:]*):([^:]*):(%d+):(%-?%d+):([^:]*):(.*)$')
-  if not id then return nil end
-  return {id = id, tenant = tenant, tokens = tonumber(tokens), priority = tonumber(priority),
-          weight = tonumber(weight) or 1, worker = worker, member = text}
-end
-"""
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from shared.keys import WORKER_GROUP
 from shared.messages import GenerateRequest
 from shared.redis_conn import RedisClients, StreamEntries
 from shared.retry import RedisBackoff
+from shared.scripts.take import Taken
 from worker.broker.aborts import LOOKBACK_MS, AbortWatch
 from worker.broker.recovery import Claimed
-from worker.broker.take import Room, Taken, Taker
+from worker.broker.take import Room, Taker
 
 log = logging.getLogger("redserve.worker")
 

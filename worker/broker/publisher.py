@@ -23,11 +23,11 @@ A flush that fails (Redis went away) keeps what must not be lost: the record chu
 entries, acks and hand-backs go to an outbox that every later flush retries first, until it
 is written or the request's keys would have expired anyway. A retried terminal entry is added,
 with its request's retried chunks before it, only if its stream does not end with one already
-(a pipeline may have been applied in part), so every result stream still ends with exactly
-one. The feed entries of a failed flush are
-not retried: the record has their tokens, and a replica that missed them reads them there. A
-request's pending entry stays in `entry_ids`, and is kept fresh by the heartbeat, until its
-terminal entry is written; from then on nothing refreshes it.
+(a pipeline may have been applied in part: shared/scripts/terminal.py), so every result
+stream still ends with exactly one. The feed entries of a failed flush are not retried: the
+record has their tokens, and a replica that missed them reads them there. A request's pending
+entry stays in `entry_ids`, and is kept fresh by the heartbeat, until its terminal entry is
+written; from then on nothing refreshes it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import orjson
 import redis.asyncio as aioredis
 
 from shared.keys import WORKER_GROUP, Keys, replica_of
@@ -48,6 +47,7 @@ from shared.messages import (
     feed_fields,
     feed_min_id,
 )
+from shared.scripts.terminal import TERMINAL_ONCE, Terminal, TerminalArgs, TerminalKeys
 from shared.settings import WorkerSettings
 from worker.broker.metrics import WorkerMetrics
 from worker.broker.record import Record
@@ -58,34 +58,6 @@ BATCH_S = 0.5
 # How often the offset between this clock and Redis's is read again (the feed is trimmed by
 # Redis's clock, see `feed_min_id`).
 CLOCK_S = 60.0
-
-# KEYS: result stream, state hash; ARGV: TTL, entry fields (JSON), state fields (JSON), the
-# record chunks to add before the entry (JSON list of fields).
-_TERMINAL_ONCE = """
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-local ended = false
-if last then
-  local f = last[2]
-  for i = 1, #f, 2 do
-    if f[i] == 'kind' and (f[i + 1] == 'finish' or f[i + 1] == 'error') then ended = true end
-  end
-end
-local function add(fields)
-  local args = {}
-  for k, v in pairs(fields) do table.insert(args, k); table.insert(args, v) end
-  redis.call('XADD', KEYS[1], '*', unpack(args))
-end
-if not ended then
-  for _, chunk in ipairs(cjson.decode(ARGV[4])) do add(chunk) end
-  add(cjson.decode(ARGV[2]))
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-local state = {}
-for k, v in pairs(cjson.decode(ARGV[3])) do table.insert(state, k); table.insert(state, v) end
-redis.call('HSET', KEYS[2], unpack(state))
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return ended and 0 or 1
-"""
 
 
 class Publisher:
@@ -108,7 +80,7 @@ class Publisher:
         self._outbox = Staged()
         self._batch = Staged()  # acks, sent every BATCH_S
         self._batch_sent = 0.0
-        self._terminal_once = redis.register_script(_TERMINAL_ONCE)
+        self._terminal_once = TERMINAL_ONCE.bind(redis)
         self._clock_offset = 0.0  # Redis's time less this machine's
         self._clock_read = float("-inf")  # monotonic time of the last read
 
@@ -311,10 +283,11 @@ class Publisher:
         # the feed learns of those that were added.
         added = []
         for e in outbox.endings:
-            if await self._terminal_once(
-                    keys=[self.keys.out(e.request_id), self.keys.state(e.request_id)],
-                    args=[self.settings.finished_ttl_s, orjson.dumps(e.fields),
-                          orjson.dumps(e.state), orjson.dumps(chunks.get(e.request_id, []))]):
+            reply = await self._terminal_once(
+                TerminalKeys(self.keys.out(e.request_id), self.keys.state(e.request_id)),
+                TerminalArgs(self.settings.finished_ttl_s, e.fields, e.state,
+                             chunks.get(e.request_id, [])))
+            if reply is Terminal.ADDED:
                 added.append((e.request_id, e.fields))
         pipe = self.redis.pipeline(transaction=False)
         self._stage_feeds(pipe, added)
