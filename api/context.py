@@ -86,6 +86,11 @@ class ServedModel:
     def name(self) -> str:
         return self.info.name
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this, less one (the tokenizer's added tokens included)."""
+        return len(self.codec.tokenizer)
+
     def check_size(self, texts: list[str], param: str) -> None:
         """A 400 for text far too long for the context, before it is tokenized."""
         limit = self.info.max_model_len

@@ -2,11 +2,12 @@
 
 `start` reserves a queue slot, registers the result subscription and enqueues the request;
 iterating yields result entries until a terminal one; `close` runs exactly once however the
-request ended (completion, client gone, error, timeout, slow client, shutdown). A request closed
-before the worker ended it gets its abort key set, so no compute is spent on it. With its
-tenant's rate limits, the reply's first choice carries the reply's charge into the admission
-script, and every choice reports to the reply's `Reservation` how much of its `max_tokens` it
-used as it closes (or is refused), so that the reply is settled once, when it ends.
+request ended (completion, client gone, error, timeout, slow client, shutdown, refusal), and
+undoes what the request's `Phase` says it holds. A request closed before the worker ended it
+gets its abort key set, so no compute is spent on it. With its tenant's rate limits, the
+reply's first choice carries the reply's charge into the admission script, and every choice
+reports to the reply's `Reservation` how much of its `max_tokens` it used as it closes (or is
+refused), so that the reply is settled once, when it ends.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from enum import Enum
 
 import redis.asyncio as aioredis
 
+from api.admission import Admitted
 from api.context import AppContext
 from api.errors import APIError
 from api.limits.replies import headers as limit_headers
@@ -41,6 +44,22 @@ from shared.messages import (
 
 log = logging.getLogger("redserve.api")
 
+CLOSED = Error("the request was closed", "server_error", "closed")
+
+
+class Phase(Enum):
+    """How far a request got in this replica: all its one cleanup (`Generation.close`) needs
+    to know to undo what it holds. It only moves down this list, then to CLOSED."""
+
+    CREATED = "created"  # nothing registered, nothing written
+    OPENED = "opened"  # its result subscription open and in `live`; its hash being written
+    ENQUEUED = "enqueued"  # its hash written: it may be on the model's stream
+    STARTED = "started"  # a worker has it: it answered, or it left the queue
+    WORKER_ENDED = "worker_ended"  # the worker wrote its terminal entry: nothing to abort
+    REFUSED = "refused"  # admission turned it away (from ENQUEUED): on no stream
+    CLOSED = "closed"
+
+
 class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
                  view: StreamView | None = None, streaming: bool = False,
@@ -52,16 +71,14 @@ class Generation:
         self.streaming = streaming  # answered with SSE (recorded for `redserve inspect`)
         self.outcome: str | None = None  # how it ended, once it has
         self.timer: ReplyTimer | None = None  # its reply's timings, once every choice started
-        self._sub: Subscription | None = None
-        self._started = False  # a worker has answered at least once
-        self._worker_ended = False  # the worker wrote the terminal entry
+        self._phase = Phase.CREATED
+        self._sub: Subscription | None = None  # from OPENED on
         self._aborting: asyncio.Task[None] | None = None
-        self._closed = False
-        self._enqueued = False  # on the model's stream: a worker may hold it
         self.reservation = reservation  # the reply's, under its tenant's rate limits
         self.charges = charges  # this choice's admission charges the reply's reservation
-        self._produced = 0  # tokens the worker generated, as far as this replica has seen
-        self._answered = False  # a token or a finish came
+        # Tokens the worker generated, as far as this replica has seen; None until a token or
+        # a finish came.
+        self._produced: int | None = None
         self._settling: asyncio.Future[None] | None = None
 
     @property
@@ -69,66 +86,72 @@ class Generation:
         return self.request.id
 
     async def start(self) -> None:
-        ctx, req = self.ctx, self.request
-        if ctx.live.draining:
-            ctx.metrics.rejected.labels("draining").inc()
+        if self.ctx.live.draining:
+            self.ctx.metrics.rejected.labels("draining").inc()
             raise APIError(503, "this replica is shutting down; retry on another",
                            type="server_error", code="draining", headers={"Retry-After": "1"})
-        keys, ttl = ctx.keys, ctx.settings.request_ttl_s
-        self._sub = ctx.reader.open(req.id)
-        ctx.live.add(self)
-        # The hash first: a worker may take the request as soon as it is on the stream.
-        pipe = ctx.clients.commands.pipeline(transaction=False)
-        state_key = keys.state(req.id)
-        record = RequestHash(
-            state=RequestState.QUEUED, model=req.model, tenant=req.tenant, created=req.created,
-            prompt_tokens=len(req.prompt_ids), replica=ctx.replica,
-            choices=max(self.siblings, 1), streaming=self.streaming,
-            stream=None if self.view is None else self.view.to_json())
-        pipe.hset(state_key, mapping=record.to_fields())  # type: ignore[arg-type]
-        pipe.expire(state_key, ttl)
+        self._sub = self.ctx.reader.open(self.request.id)
+        self.ctx.live.add(self)
+        self._phase = Phase.OPENED
+        charge = self.reservation.charge if self.reservation and self.charges else None
         try:
-            await pipe.execute()
-            self._enqueued = True  # from here on it may be on the stream (if the script fails)
-            charge = self.reservation.charge if self.reservation and self.charges else None
-            admitted = await ctx.admission.try_enqueue(req, charge)
+            await self._write_hash()
+            self._phase = Phase.ENQUEUED  # from here on it may be on the stream (even if the
+            # script fails)
+            admitted = await self.ctx.admission.try_enqueue(self.request, charge)
         except aioredis.RedisError as e:
             self.outcome = "redis_unavailable"
             await self.close()
-            raise _unavailable(ctx, e) from e
+            raise _unavailable(self.ctx, e) from e
         bucket = admitted.limits
         if admitted.refused is None and (bucket is None or bucket.refused is None):
             if self.reservation is not None and bucket is not None:
                 self.reservation.bucket = bucket  # charged
             return
-        self._closed = True  # never enqueued: nothing to end
-        ctx.reader.close(self._sub)
-        ctx.live.remove(req.id)
-        with contextlib.suppress(aioredis.RedisError):
-            await ctx.clients.commands.delete(state_key)
+        raise await self._refuse(admitted)
+
+    async def _write_hash(self) -> None:
+        """The request's hash, written before it is on the stream: a worker may take it at
+        once."""
+        ctx, req = self.ctx, self.request
+        state_key = ctx.keys.state(req.id)
+        record = RequestHash(
+            state=RequestState.QUEUED, model=req.model, tenant=req.tenant, created=req.created,
+            prompt_tokens=len(req.prompt_ids), replica=ctx.replica,
+            choices=max(self.siblings, 1), streaming=self.streaming,
+            stream=None if self.view is None else self.view.to_json())
+        pipe = ctx.clients.commands.pipeline(transaction=False)
+        pipe.hset(state_key, mapping=record.to_fields())  # type: ignore[arg-type]
+        pipe.expire(state_key, ctx.settings.request_ttl_s)
+        await pipe.execute()
+
+    async def _refuse(self, admitted: Admitted) -> APIError:
+        """Admission turned it away: it closes (nothing of it stays), and the error says why."""
+        ctx, req, bucket = self.ctx, self.request, admitted.limits
+        self._phase = Phase.REFUSED
         if bucket is not None and bucket.refused is not None:
             ctx.metrics.rejected.labels("rate_limited").inc()
             ctx.metrics.rate_limited.labels(req.tenant, bucket.refused).inc()
-            await self._settled()
-            raise rate_limited(bucket, req.model, req.tenant)
+            await self.close()
+            return rate_limited(bucket, req.model, req.tenant)
         ctx.metrics.rejected.labels("queue_full").inc()
         if self.reservation is not None:
             self.reservation.refused()
-        await self._settled()
+        await self.close()
         if bucket is None and self.reservation is not None:
             bucket = self.reservation.bucket  # a later choice: the first one's charge
-        raise APIError(429, admitted.refused or "", type="rate_limit_exceeded",
-                       code="queue_full", headers={"Retry-After": "1", **(
-                           {} if bucket is None else limit_headers(bucket))})
+        return APIError(429, admitted.refused or "", type="rate_limit_exceeded",
+                        code="queue_full", headers={"Retry-After": "1", **(
+                            {} if bucket is None else limit_headers(bucket))})
 
-    async def _settled(self, used: int = 0) -> None:
+    async def _settled(self, used: int) -> None:
         """Tell the reply's reservation this choice is over, having used `used` of its
         `max_tokens`. A task, shielded: this often runs while the handler is being
         cancelled, and the reply's last choice settles it."""
         if self.reservation is not None:
             unused = max(self.request.params.max_tokens - used, 0)
             self._settling = asyncio.ensure_future(
-                self.reservation.ended(unused, self._answered))
+                self.reservation.ended(unused, self._produced is not None))
             await asyncio.shield(self._settling)
 
     def fail(self, error: Error) -> None:
@@ -146,43 +169,46 @@ class Generation:
         sub = self._sub
         if self.outcome is not None or sub is None:
             raise StopAsyncIteration
+        entry = await self._next(sub)
+        if isinstance(entry, Finish | Error):
+            self.outcome = entry.finish_reason if isinstance(entry, Finish) else entry.code
+        return entry
+
+    async def _next(self, sub: Subscription) -> ResultEntry:
+        """The next entry from the worker (or from `fail`), or a timeout of this side's."""
         while True:
             if not sub.queue.empty():  # the common case while tokens flow: no timer needed
-                entry = sub.queue.get_nowait()
-                break
-            waiting_in_queue = not self._started and time.time() < self.request.queue_deadline
-            until = self.request.queue_deadline if waiting_in_queue else self.request.deadline
+                return self._took(sub, sub.queue.get_nowait())
+            queued = self._phase is Phase.ENQUEUED and time.time() < self.request.queue_deadline
+            until = self.request.queue_deadline if queued else self.request.deadline
             try:
                 entry = await asyncio.wait_for(sub.queue.get(), max(until - time.time(), 0.0))
-                break
             except TimeoutError:
-                if waiting_in_queue:
-                    if await self._still_queued():
-                        return self._end(queue_timeout(self.request.model))
-                    self._started = True  # a worker has it: wait for the full deadline
-                    continue
-                return self._end(Error("request timed out", "timeout", "request_timeout"))
-        self._started = True
-        if not sub.failed:  # from the worker, not from here
+                if not queued:
+                    return Error("request timed out", "timeout", "request_timeout")
+                if await self._still_queued():
+                    return queue_timeout(self.request.model)
+                self._phase = Phase.STARTED  # a worker has it: wait for the full deadline
+                continue
+            return self._took(sub, entry)
+
+    def _took(self, sub: Subscription, entry: ResultEntry) -> ResultEntry:
+        """`entry`, counted if it came from the worker (not from `fail`)."""
+        if self._phase is Phase.ENQUEUED:
+            self._phase = Phase.STARTED
+        if not sub.failed:
             if self.timer is not None:
                 self.timer.entry(self.request.id, entry)
             self._count(entry)
-        if isinstance(entry, Finish | Error):
-            self._worker_ended = not sub.failed
-            return self._end(entry)
+            if isinstance(entry, Finish | Error) and self._phase is Phase.STARTED:
+                self._phase = Phase.WORKER_ENDED
         return entry
 
     def _count(self, entry: ResultEntry) -> None:
         if isinstance(entry, Tokens) and entry.ids:
-            self._produced = max(self._produced, entry.index + len(entry.ids))
-            self._answered = True
+            self._produced = max(self._produced or 0, entry.index + len(entry.ids))
         elif isinstance(entry, Finish):
-            self._produced = max(self._produced, entry.completion_tokens)
-            self._answered = True
-
-    def _end(self, entry: Finish | Error) -> Finish | Error:
-        self.outcome = entry.finish_reason if isinstance(entry, Finish) else entry.code
-        return entry
+            self._produced = max(self._produced or 0, entry.completion_tokens)
 
     async def _still_queued(self) -> bool:
         state_key = self.ctx.keys.state(self.request.id)
@@ -193,41 +219,55 @@ class Generation:
         return state in (None, RequestState.QUEUED.encode())
 
     async def close(self, outcome: str | None = None) -> None:
-        """`outcome`: how the caller ended it, when the worker did not (a stop string)."""
-        if self._closed:
+        """The one way every request ends (finished, cancelled, disconnected, timed out,
+        failed, refused), run once: what its phase holds is undone, and its reservation
+        settled. `outcome`: how the caller ended it, when the worker did not (a stop
+        string)."""
+        phase, self._phase = self._phase, Phase.CLOSED
+        if phase is Phase.CLOSED:
             return
-        self._closed = True
-        if self._sub is None:
-            await self._settled()
-            return  # never admitted: nothing to undo
-        ctx = self.ctx
         outcome = self.outcome or outcome
-        if outcome is None:
-            ctx.metrics.disconnects.inc()
-        ctx.metrics.finished.labels(self.request.model, outcome or "disconnect").inc()
-        if self.timer is not None:
-            self.timer.closed(self.request.id, outcome or "disconnect")
-        ctx.reader.close(self._sub)
-        # Wakes anyone still iterating, who then sees the end.
-        self._sub.fail(Error("the request was closed", "server_error", "closed"))
+        if self._sub is not None:  # OPENED or later
+            self._unsubscribe(self._sub, counted=phase is not Phase.REFUSED, outcome=outcome)
+        if phase is Phase.REFUSED:
+            with contextlib.suppress(aioredis.RedisError):
+                await self.ctx.clients.commands.delete(self.ctx.keys.state(self.request.id))
+        if phase in (Phase.ENQUEUED, Phase.STARTED):
+            await self._stop_worker(outcome)
+        else:
+            await self._settled(self._produced or 0)
+
+    def _unsubscribe(self, sub: Subscription, counted: bool, outcome: str | None) -> None:
+        """Out of the reader and of `live`; counted as ended unless it was refused (counted
+        as a rejection)."""
+        ctx = self.ctx
+        if counted:
+            if outcome is None:
+                ctx.metrics.disconnects.inc()
+            ctx.metrics.finished.labels(self.request.model, outcome or "disconnect").inc()
+            if self.timer is not None:
+                self.timer.closed(self.request.id, outcome or "disconnect")
+        ctx.reader.close(sub)
+        sub.fail(CLOSED)  # wakes anyone still iterating, who then sees the end
         ctx.live.remove(self.request.id)
-        if self._enqueued and not self._worker_ended:
-            grace = ctx.settings.resume_grace_s
-            if self._aborting is None and outcome is None and self.view is not None and grace:
-                # A stream whose client went away: leave it running for a resume.
-                deferred = asyncio.create_task(self._abort_unless_resumed(grace))
-                ctx.live.deferred.add(deferred)
-                deferred.add_done_callback(ctx.live.deferred.discard)
-                # It runs on, maybe for a client of another replica: it keeps its tokens.
-                await self._settled(self.request.params.max_tokens)
-                return
-            if self._aborting is None:
-                self._aborting = asyncio.create_task(self._abort(abort_cause(outcome)))
-            await self._settled(self._produced)
-            # Shielded: this often runs while the handler is being cancelled.
-            await asyncio.shield(self._aborting)
+
+    async def _stop_worker(self, outcome: str | None) -> None:
+        """A worker may hold it: abort it now, or, for a stream whose client went away, once
+        its resume grace has passed unresumed."""
+        ctx = self.ctx
+        grace = ctx.settings.resume_grace_s
+        if self._aborting is None and outcome is None and self.view is not None and grace:
+            deferred = asyncio.create_task(self._abort_unless_resumed(grace))
+            ctx.live.deferred.add(deferred)
+            deferred.add_done_callback(ctx.live.deferred.discard)
+            # It runs on, maybe for a client of another replica: it keeps its tokens.
+            await self._settled(self.request.params.max_tokens)
             return
-        await self._settled(self._produced)
+        if self._aborting is None:
+            self._aborting = asyncio.create_task(self._abort(abort_cause(outcome)))
+        await self._settled(self._produced or 0)
+        # Shielded: this often runs while the handler is being cancelled.
+        await asyncio.shield(self._aborting)
 
     async def _abort_unless_resumed(self, grace: float) -> None:
         await self._mark_detached()

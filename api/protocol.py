@@ -2,6 +2,11 @@
 fields of OpenAI's API that cannot change the output are accepted and unused, and
 vLLM's request extensions that clients and benchmark tools send are served as vLLM serves them.
 
+A body also owns what can only be checked against the model that serves it, as vLLM's do
+(`validate_for`: token ids within its vocabulary; `max_tokens_for`: each prompt within its
+context), and turns itself into the `SamplingParams` a worker runs (`to_sampling_params`), so
+serving a request is only building it and starting it.
+
 Every input is bounded (the limits in `api.fields`, each refused with a 400 naming it), so no single
 request can make a replica do unbounded work: a stop string is scanned on every token, a
 choice is a queued request, a logit_bias entry is work in every sampling step. The body as a
@@ -19,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from api.errors import FieldError
+from api.context import ServedModel
+from api.errors import APIError, FieldError
 from api.fields import (
     INT64,
     MAX_CHOICES,
@@ -44,6 +50,7 @@ from api.fields import (
     Tool,
     ToolChoice,
 )
+from shared.messages import SamplingParams
 
 
 class StreamOptions(StrictModel):
@@ -193,6 +200,57 @@ class _Common(StrictModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def validate_for(self, model: ServedModel) -> None:
+        """A 400 for a token id (`logit_bias`, `stop_token_ids`) outside `model`'s vocabulary."""
+        vocab = model.vocab_size
+        for param, ids in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
+                           ("stop_token_ids", self.stop_token_ids or [])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{param}: token id {bad} is outside the vocabulary "
+                               f"(0..{vocab - 1})", param=param, code="invalid_value")
+
+    def max_tokens_for(self, model: ServedModel, prompt_ids: list[int]) -> int:
+        """The `max_tokens` of this prompt's choices: as asked, or the rest of `model`'s
+        context when not; a 400 for an empty prompt or one that leaves no room."""
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        limit, prompt_tokens = model.info.max_model_len, len(prompt_ids)
+        requested = self.requested_max_tokens()
+        if requested is None:
+            if prompt_tokens >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens, "
+                               f"but the prompt has {prompt_tokens} tokens.", param="messages",
+                               code="context_length_exceeded")
+            return limit - prompt_tokens
+        if prompt_tokens + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, you requested {prompt_tokens + requested} tokens "
+                           f"({prompt_tokens} in the prompt, {requested} for the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def to_sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
+        """What the worker runs for choice `index` of the reply (its seed: the body's plus
+        `index`, so choices differ and a reply repeats)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + index,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            # "1" and "01" are one token: the last of them counts, once.
+            logit_bias=tuple({int(k): v for k, v in (self.logit_bias or {}).items()}.items()),
+            logprobs=self.top_logprobs_count(),
+            min_tokens=min(self.min_tokens, max_tokens),
+        )
+
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -282,6 +340,19 @@ class CompletionRequest(_Common):
         if self.echo and self.logprobs is not None:
             raise FieldError("echo", "echo with logprobs (prompt logprobs) is not supported")
         return self
+
+    def check_prompts(self, model: ServedModel) -> None:
+        """Before any is tokenized: a 400 for prompt text far too long for `model`'s context,
+        or a prompt token id outside its vocabulary."""
+        for text in (p for p in self.prompts() if isinstance(p, str)):
+            # Each on its own: the prompts of a batch do not share one context.
+            model.check_size([text], "prompt")
+        vocab = model.vocab_size
+        for ids in (p for p in self.prompts() if not isinstance(p, str)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary "
+                               f"(0..{vocab - 1})", param="prompt", code="invalid_value")
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: its text or its token ids."""

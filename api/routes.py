@@ -1,4 +1,5 @@
-"""HTTP routes: validate and tokenize, hand the request to a `Generation`, shape the reply."""
+"""HTTP routes: tokenize the body and check it against its model (`api.protocol` says what is
+checked), then hand it to `api.serving`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import json_response
 from api.resume import StreamView, last_event_id
-from api.serving import generate, resume
+from api.serving import generate, prepare, resume
 from api.tokenization import chat_prompt_ids
 from shared.aborts import stage_aborts
 from shared.keys import is_request_id
@@ -82,30 +83,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = _ctx(request)
     model = _served(ctx, body.model)
     prompt_ids = await chat_prompt_ids(model, body)
-    return await generate(ctx, model, request, body, [prompt_ids], "chat", _tenant(request))
+    prepared = await prepare(model, body, [prompt_ids])
+    return await generate(ctx, request, prepared, "chat", _tenant(request))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     model = _served(ctx, body.model)
-    vocab = len(model.codec.tokenizer)
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            model.check_size([prompt], "prompt")
-    prompts: list[list[int]] = []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            prompts.append(await model.codec.encode_text(prompt, body.add_special_tokens))
-            continue
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                           param="prompt", code="invalid_value")
-        prompts.append(prompt)
+    body.check_prompts(model)
+    prompts = [await model.codec.encode_text(p, body.add_special_tokens)
+               if isinstance(p, str) else p for p in body.prompts()]
     echoes = [model.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
-    return await generate(ctx, model, request, body, prompts, "text", _tenant(request), echoes)
+    prepared = await prepare(model, body, prompts)
+    return await generate(ctx, request, prepared, "text", _tenant(request), echoes)
 
 
 async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:

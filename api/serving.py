@@ -1,5 +1,6 @@
-"""From a validated, tokenized request to its reply: its grammar checked, one `Generation` per
-choice (`n` per prompt), merged into one SSE stream or one JSON object (`api.replies`)."""
+"""From a tokenized request to its reply: checked against its model (`prepare`, with the
+checks `api.protocol` owns), then one `Generation` per choice (`n` per prompt), merged into one
+SSE stream or one JSON object (`api.replies`) (`generate`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import asyncio
 import logging
 import re
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from api.choices import Choice
 from api.context import AppContext, ServedModel
-from api.errors import APIError
 from api.generation import Generation
+from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.replies.collected import collect_unless_disconnected
@@ -25,33 +28,54 @@ from api.resume import Replay, StreamView
 from api.structured.grammar import compile_constraint
 from shared.keys import new_request_id
 from shared.logs import log_event
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import GenerateRequest
 
 log = logging.getLogger("redserve.api.requests")
 
 _TRACE_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A body tokenized and checked against the model that serves it (`prepare`): what
+    `generate` builds its requests from."""
 
-def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                    seed: int | None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(body.top_k, 0),
-        min_p=body.min_p,
-        seed=seed,
-        ignore_eos=body.ignore_eos,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        # "1" and "01" are one token: the last of them counts, once.
-        logit_bias=tuple({int(k): v for k, v in (body.logit_bias or {}).items()}.items()),
-        logprobs=body.top_logprobs_count(),
-        min_tokens=min(body.min_tokens, max_tokens),
-    )
+    model: ServedModel
+    body: ChatCompletionRequest | CompletionRequest
+    prompts: list[list[int]]
+    max_tokens: list[int]  # each prompt's choices', fitted to the context
+    constraint: str | None  # the grammar its output follows, compiled
+
+
+async def prepare(model: ServedModel, body: ChatCompletionRequest | CompletionRequest,
+                  prompts: list[list[int]]) -> Prepared:
+    """The body's checks against `model` (`api.protocol`): its token ids, then its constraint
+    (compiled off the event loop), then each prompt against the context."""
+    body.validate_for(model)
+    constraint = await compile_constraint(body, model.codec.tokenizer)
+    max_tokens = [body.max_tokens_for(model, ids) for ids in prompts]
+    return Prepared(model, body, prompts, max_tokens, constraint)
+
+
+async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
+                   tenant: str, echoes: list[str] | None = None) -> Response:
+    """Queue one request per choice and answer with their merged reply (SSE or JSON);
+    `echoes`: each prompt's text, when the body asks for it back."""
+    body, model, now = prepared.body, prepared.model, time.time()
+    base_id = new_request_id(ctx.replica)
+    requests = _requests(ctx, prepared, base_id, now, tenant,
+                         _trace_id(request.headers.get("x-trace-id", "")))
+    _log_received(ctx, body, base_id, tenant, model.name)
+    spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
+                               echoes)
+    reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests, spec.prompt_tokens)
+    generations = _generations(ctx, requests, spec, body.stream, reservation)
+    choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
+    await _start_all(generations, choices, one_first=reservation is not None)
+    _time_reply(ctx, generations, spec, tenant, now, body.stream)
+    headers = {"X-Request-Id": base_id,
+               **(reservation.headers() if reservation is not None else {})}
+    return await _reply(request, choices, spec, headers, body.stream)
 
 
 def _trace_id(header: str) -> str:
@@ -60,85 +84,61 @@ def _trace_id(header: str) -> str:
     return header if _TRACE_ID.match(header) else ""
 
 
-def fit_context(model: ServedModel, prompt_tokens: int, requested: int | None) -> int:
-    limit = model.info.max_model_len
-    if requested is None:
-        if prompt_tokens >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
-                           f"prompt has {prompt_tokens} tokens.", param="messages",
-                           code="context_length_exceeded")
-        return limit - prompt_tokens
-    if prompt_tokens + requested > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
-                       f"prompt, {requested} for the completion).", param="max_tokens",
-                       code="context_length_exceeded")
-    return requested
-
-
-async def generate(
-    ctx: AppContext,
-    model: ServedModel,
-    request: Request,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompts: list[list[int]],
-    kind: Kind,
-    tenant: str,
-    echoes: list[str] | None = None,
-) -> Response:
-    now = time.time()
-    base_id = new_request_id(ctx.replica)
-    vocab = len(model.codec.tokenizer)
-    for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
-                       ("stop_token_ids", body.stop_token_ids or [])):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary "
-                           f"(0..{vocab - 1})", param=param, code="invalid_value")
-    constraint = await compile_constraint(body, model.codec.tokenizer)
+def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, tenant: str,
+              trace_id: str) -> list[GenerateRequest]:
+    """One queued request per choice, `n` per prompt: `<id>`, then `<id>-1` ..."""
+    body, model = prepared.body, prepared.model.name
     requests = []
-    for p_index, prompt_ids in enumerate(prompts):
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        max_tokens = fit_context(model, len(prompt_ids), body.requested_max_tokens())
-        for j in range(body.n):
-            index = p_index * body.n + j
-            seed = None if body.seed is None else body.seed + index
-            requests.append(GenerateRequest(
-                id=base_id if index == 0 else f"{base_id}-{index}",
-                model=model.name,
-                prompt_ids=tuple(prompt_ids),
-                params=sampling_params(body, max_tokens, seed),
-                created=now,
-                queue_deadline=now + ctx.settings.queue_timeout_s,
-                deadline=now + ctx.settings.request_timeout_s,
-                tenant=tenant,
-                trace_id=_trace_id(request.headers.get("x-trace-id", "")),
-                grammar=constraint,
-                priority=body.priority,
-                weight=ctx.policies.of(tenant).weight,
-                worker=ctx.placement.place(model.name, tenant, prompt_ids),
-            ))
-    if ctx.settings.log_request_text:  # asked for (as vLLM's --enable-log-requests)
-        text = ({"messages": [m.model_dump(exclude_none=True) for m in body.messages]}
-                if isinstance(body, ChatCompletionRequest) else {"prompt": body.prompt})
-        log_event(log, "request.received", request_id=base_id, tenant=tenant,
-                  model=model.name, **text)
-    spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prompts, echoes)
-    view = None
-    if body.stream and len(requests) == 1:  # resumable (see api/resume.py)
-        view = StreamView(spec, requests[0].deadline, requests[0].queue_deadline)
-    reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests,
-                                     sum(len(p) for p in prompts))
-    generations = [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
-                              streaming=body.stream, reservation=reservation, charges=i == 0)
-                   for i, req in enumerate(requests)]
-    choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
-    # All choices enter the queue concurrently; if any is refused (or the client leaves
-    # meanwhile), none stays. Under rate limits the first goes alone, charged for the whole
-    # reply: a reply its tenant cannot pay for queues nothing.
+    for index in range(len(prepared.prompts) * body.n):
+        prompt_ids = prepared.prompts[index // body.n]
+        requests.append(GenerateRequest(
+            id=base_id if index == 0 else f"{base_id}-{index}",
+            model=model,
+            prompt_ids=tuple(prompt_ids),
+            params=body.to_sampling_params(prepared.max_tokens[index // body.n], index),
+            created=now,
+            queue_deadline=now + ctx.settings.queue_timeout_s,
+            deadline=now + ctx.settings.request_timeout_s,
+            tenant=tenant,
+            trace_id=trace_id,
+            grammar=prepared.constraint,
+            priority=body.priority,
+            weight=ctx.policies.of(tenant).weight,
+            worker=ctx.placement.place(model, tenant, prompt_ids),
+        ))
+    return requests
+
+
+def _log_received(ctx: AppContext, body: ChatCompletionRequest | CompletionRequest,
+                  base_id: str, tenant: str, model: str) -> None:
+    """The request's text, logged only when asked for (as vLLM's --enable-log-requests)."""
+    if not ctx.settings.log_request_text:
+        return
+    text = ({"messages": [m.model_dump(exclude_none=True) for m in body.messages]}
+            if isinstance(body, ChatCompletionRequest) else {"prompt": body.prompt})
+    log_event(log, "request.received", request_id=base_id, tenant=tenant, model=model,
+              **text)
+
+
+def _generations(ctx: AppContext, requests: list[GenerateRequest], spec: ReplySpec,
+                 stream: bool, reservation: Reservation | None) -> list[Generation]:
+    """One per choice. The first counts its siblings and carries the reply's charge; a
+    single-choice stream is resumable (see api/resume.py)."""
+    first = requests[0]
+    view = (StreamView(spec, first.deadline, first.queue_deadline)
+            if stream and len(requests) == 1 else None)
+    return [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
+                       streaming=stream, reservation=reservation, charges=i == 0)
+            for i, req in enumerate(requests)]
+
+
+async def _start_all(generations: list[Generation], choices: list[Choice],
+                     one_first: bool) -> None:
+    """All choices enter the queue concurrently; if any is refused (or the client leaves
+    meanwhile), none stays. Under rate limits (`one_first`) the first goes alone, charged for
+    the whole reply: a reply its tenant cannot pay for queues nothing."""
+    first = generations[:1] if one_first and len(generations) > 1 else []
     try:
-        first = generations[:1] if reservation is not None and len(generations) > 1 else []
         for g in first:
             await g.start()
         started = await asyncio.gather(*(g.start() for g in generations[len(first):]),
@@ -149,14 +149,22 @@ async def generate(
     except BaseException:
         await close_all(choices)
         raise
-    timer = ReplyTimer(ctx.metrics, request_id=base_id, tenant=tenant, model=model.name,
-                       stream=body.stream, created=now, prompt_tokens=spec.prompt_tokens,
+
+
+def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec, tenant: str,
+                created: float, stream: bool) -> None:
+    """One timer for the reply, fed by all its choices (`api.metrics.ReplyTimer`)."""
+    timer = ReplyTimer(ctx.metrics, request_id=spec.base_id, tenant=tenant, model=spec.model,
+                       stream=stream, created=created, prompt_tokens=spec.prompt_tokens,
                        choices=len(generations))
     for g in generations:
         g.timer = timer
-    headers = {"X-Request-Id": base_id,
-               **(reservation.headers() if reservation is not None else {})}
-    if body.stream:
+
+
+async def _reply(request: Request, choices: list[Choice], spec: ReplySpec,
+                 headers: dict[str, str], stream: bool) -> Response:
+    """An SSE stream (its choices closed as it ends), or the JSON reply once all are done."""
+    if stream:
         return sse(choices, spec, headers)
     try:
         reply = await collect_unless_disconnected(request, choices, spec)
