@@ -114,7 +114,7 @@ def test_cancelled_before_any_worker_took_it_is_never_prefilled(
         assert [f[b"kind"] for _, f in entries] == [b"finish"]
         assert entries[0][1][b"finish_reason"] == b"abort"
         assert entries[0][1][b"completion_tokens"] == b"0"
-        steps = worker.broker.metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        steps = worker.metrics(f"http://127.0.0.1:{metrics_port}/metrics")
         assert steps["redserve_worker_steps_total"] == 0
     finally:
         worker.stop()
