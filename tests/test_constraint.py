@@ -74,7 +74,7 @@ def _run(engine: Engine, requests: list[GenerateRequest],
     for req in requests:
         finish = engine.add(req, (generated or {}).get(req.id, ()))
         out[req.id] = (list((generated or {}).get(req.id, ())), finish)
-    while engine.has_work():
+    while engine.scheduler.has_work():
         for o in engine.step():
             tokens, _ = out[o.request_id]
             if o.token is not None:
@@ -106,7 +106,7 @@ def test_preempted_and_resumed_requests_still_end_valid(
 ) -> None:  # type: ignore[no-untyped-def]
     tight = _engine(model, constraints, pages=40)  # too few pages for 6 at once
     out = _run(tight, [_request(i, True, max_tokens=100) for i in range(6)])
-    assert tight.num_preempted > 0
+    assert tight.scheduler.num_preempted > 0
     assert all(f == "stop" and _valid(decode(t)) for t, f in out.values())
     # Resumed on another engine from the first 15 tokens a worker had published.
     whole, _ = out["c-0"]
@@ -117,7 +117,7 @@ def test_preempted_and_resumed_requests_still_end_valid(
     # Every token was published, only the finish entry lost: it ends at once, queued nowhere.
     ended = _engine(model, constraints)
     assert ended.add(_request(0, True, max_tokens=100), tuple(whole)) == "stop"
-    assert not ended.has_work()
+    assert not ended.scheduler.has_work()
 
 
 def test_tokens_off_the_grammar_or_a_bad_grammar_are_refused(
@@ -133,7 +133,7 @@ def test_tokens_off_the_grammar_or_a_bad_grammar_are_refused(
     assert broken.value.code == "invalid_grammar"
     with pytest.raises(AdmissionError, match="constrained"):
         _engine(model, None).add(_request(2, True))
-    assert not engine.waiting and not engine.running
+    assert not engine.scheduler.waiting and not engine.scheduler.running
 
 
 def test_a_grammar_that_breaks_its_limits_mid_way_fails_its_request_alone(
@@ -148,7 +148,7 @@ def test_a_grammar_that_breaks_its_limits_mid_way_fails_its_request_alone(
     errors = {}
     engine.add(bad)
     engine.add(_request(1, True, max_tokens=100))
-    while engine.has_work():
+    while engine.scheduler.has_work():
         for o in engine.step():
             if o.error is not None:
                 errors[o.request_id] = o.error

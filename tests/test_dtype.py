@@ -122,7 +122,7 @@ def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
                                    created=0.0, queue_deadline=0.0, deadline=0.0,
                                    params=params))
         got: list[int | None] = []
-        while engine.has_work():
+        while engine.scheduler.has_work():
             got += [o.token for o in engine.step()]
         assert got == _greedy(bf16, prompt), QUESTIONS[i]
 

@@ -52,17 +52,17 @@ def _engine(model: PreTrainedModel, *, pages: int = 256, page_size: int = 4,
 
 def _assert_pages_back(engine: Engine) -> None:
     """No request holds a page; the rest is free or held by the prefix cache alone."""
-    engine.pages.check()
-    assert not engine.running and not engine.waiting
-    assert engine.pages.in_use == 0
-    assert engine.pages.available == engine.pages.num_pages
+    engine.scheduler.pages.check()
+    stats = engine.scheduler.stats()
+    assert (stats.running, stats.waiting, stats.pages_used) == (0, 0, 0)
+    assert stats.pages_free == stats.pages_total
 
 
 def _run(engine: Engine, joins: dict[int, list[GenerateRequest]]) -> dict[str, list[int | None]]:
     """Step until idle, adding `joins[step]` before that step; collect tokens per request."""
     out: dict[str, list[int | None]] = {}
     step = 0
-    while engine.has_work() or any(s >= step for s in joins):
+    while engine.scheduler.has_work() or any(s >= step for s in joins):
         for req in joins.get(step, []):
             engine.add(req)
         for o in engine.step():
@@ -130,17 +130,17 @@ def test_prefix_reuse_preemption_and_chunking_change_no_output(kernels: str) -> 
 
     no_cache = _engine(model, prefix_caching=False, kernels=kernels, page_size=size)
     _check_against_generate(model, no_cache)
-    assert no_cache.pages.cached == 0
+    assert no_cache.scheduler.stats().pages_cached == 0
 
     cached = _engine(model, kernels=kernels, page_size=size)
     _check_against_generate(model, cached)
-    assert cached.pages.cached > 0  # full pages kept for reuse, held by no request
+    assert cached.scheduler.stats().pages_cached > 0  # full pages kept, held by no request
 
     # 80 tokens of pages: less than the requests need together, so some are preempted
     # (pages freed, recomputed later) while the others go on.
     tight = _engine(model, pages=80 // size, kernels=kernels, page_size=size)
     _check_against_generate(model, tight)
-    assert tight.num_preempted > 0
+    assert tight.scheduler.num_preempted > 0
 
     # 5 prompt tokens a step: the 60-token prompt takes 12 steps of prefill, beside decodes.
     chunked = _engine(model, step_tokens=5)
@@ -148,7 +148,7 @@ def test_prefix_reuse_preemption_and_chunking_change_no_output(kernels: str) -> 
 
     both = _engine(model, pages=40, step_tokens=3, page_size=2, max_running=3)
     _check_against_generate(model, both)
-    assert both.num_preempted > 0
+    assert both.scheduler.num_preempted > 0
 
 
 def test_prefix_cache_reports_reuse_and_evicts_least_recently_used() -> None:
@@ -181,8 +181,8 @@ def test_requests_arriving_with_a_new_shared_prefix_compute_it_once() -> None:
     for request in (first, second, other):
         engine.add(request)
     outputs = engine.step()
-    assert set(engine.running) == {"t-0"}  # the budget went to the first prompt alone
-    while engine.has_work():
+    assert set(engine.scheduler.running) == {"t-0"}  # the budget went to the first prompt
+    while engine.scheduler.has_work():
         outputs += engine.step()
     ends = {o.request_id: o for o in outputs if o.finish}
     assert ends["t-1"].cached_tokens == 40 and ends["t-0"].cached_tokens == 0
@@ -201,9 +201,9 @@ def test_a_held_request_lets_the_one_behind_it_start() -> None:
                     _request(2, [5, 6, 7], 2)):
         engine.add(request)
     engine.step()
-    assert set(engine.running) == {"t-0", "t-2"}
-    assert [s.request.id for s in engine.waiting] == ["t-1"]
-    while engine.has_work():
+    assert set(engine.scheduler.running) == {"t-0", "t-2"}
+    assert [s.request.id for s in engine.scheduler.waiting] == ["t-1"]
+    while engine.scheduler.has_work():
         engine.step()
     _assert_pages_back(engine)
 
@@ -216,10 +216,10 @@ def test_a_held_request_keeps_its_running_slot() -> None:
                     _request(2, [5, 6, 7], 2)):
         engine.add(request)
     engine.step()
-    assert set(engine.running) == {"t-0"}  # the second slot waits for t-1, not t-2
+    assert set(engine.scheduler.running) == {"t-0"}  # the second slot waits for t-1, not t-2
     engine.step()
-    assert "t-1" in engine.running and "t-2" not in engine.running
-    while engine.has_work():
+    assert "t-1" in engine.scheduler.running and "t-2" not in engine.scheduler.running
+    while engine.scheduler.has_work():
         engine.step()
     _assert_pages_back(engine)
 
@@ -227,7 +227,7 @@ def test_a_held_request_keeps_its_running_slot() -> None:
 def engine_outputs(engine: Engine, request: GenerateRequest) -> list:  # type: ignore[type-arg]
     engine.add(request)
     outputs = []
-    while engine.has_work():
+    while engine.scheduler.has_work():
         outputs += engine.step()
     return outputs
 
@@ -260,13 +260,13 @@ def test_abort_frees_pages_and_pool_bounds_admission() -> None:
     engine.add(_request(0, [1] * 30, 8))
     engine.add(_request(1, [2] * 30, 8))  # its prompt's pages are not free: it waits
     engine.step()
-    assert list(engine.running) == ["t-0"] and len(engine.waiting) == 1
-    assert engine.pages.in_use == 8  # 31 tokens so far
-    assert engine.abort("t-0")
-    assert engine.pages.in_use == 0
+    assert list(engine.scheduler.running) == ["t-0"] and len(engine.scheduler.waiting) == 1
+    assert engine.scheduler.stats().pages_used == 8  # 31 tokens so far
+    assert engine.scheduler.abort("t-0")
+    assert engine.scheduler.stats().pages_used == 0
     engine.step()
-    assert list(engine.running) == ["t-1"]
-    assert engine.abort("t-1")
+    assert list(engine.scheduler.running) == ["t-1"]
+    assert engine.scheduler.abort("t-1")
     _assert_pages_back(engine)
     with pytest.raises(AdmissionError):
         engine.add(_request(2, [3] * 30, 20))  # 50 tokens can never fit in 40
@@ -325,7 +325,7 @@ def test_a_row_whose_sampling_fails_ends_alone() -> None:
     engine.add(_request(9, [5, 6, 7], 12, logit_bias=((5000, 1.0),)))
     out: dict[str, list[int | None]] = {}
     errors = {}
-    while engine.has_work():
+    while engine.scheduler.has_work():
         for o in engine.step():
             if o.error is not None:
                 errors[o.request_id] = o.error

@@ -171,7 +171,7 @@ def _run(engine: Engine, prompts: list[tuple[int, ...]], order: str, constrained
     started = 0
     step_s: list[float] = []
     parts: dict[str, float] = {}
-    while engine.has_work():
+    while engine.scheduler.has_work():
         decoding = started == BATCH  # every row has its first token: a pure decode step
         timers.take()
         t0 = time.perf_counter()

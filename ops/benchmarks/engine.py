@@ -82,7 +82,7 @@ def _run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple
                                    created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
     tokens = 0
     first = 0.0
-    while engine.has_work():
+    while engine.scheduler.has_work():
         for out in engine.step():
             tokens += 1
             if out.index == 0:

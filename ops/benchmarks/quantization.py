@@ -160,8 +160,9 @@ def _engine(path: Path, config: str, batch: int, context: int, steps: int,
 
 
 def _prefilling(engine: Engine) -> bool:
-    return bool(engine.waiting) or any(s.num_computed < len(s.tokens) - 1
-                                       for s in engine.running.values())
+    scheduler = engine.scheduler
+    return bool(scheduler.waiting) or any(s.num_computed < len(s.tokens) - 1
+                                          for s in scheduler.running.values())
 
 
 def _timed_step(engine: Engine) -> float:

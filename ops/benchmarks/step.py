@@ -80,8 +80,9 @@ def _fill(engine: Engine, batch: int, context: int) -> None:
         prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
         engine.add(GenerateRequest(id=f"s-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
                                    created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
-    while engine.waiting or any(s.num_computed < len(s.tokens) - 1
-                                for s in engine.running.values()):
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_computed < len(s.tokens) - 1
+                                   for s in scheduler.running.values()):
         engine.step()
 
 

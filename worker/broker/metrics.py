@@ -10,9 +10,11 @@ Every request timing starts at the request's `created` (unix time, set by the AP
 accepted it): queue time ends when the engine schedules its first step, TTFT and the token
 gaps are taken when the pipeline carrying its tokens has been written, end-to-end when its
 terminal entry has. Across machines that assumes synchronised clocks (a negative figure from
-skew counts as 0). What the engine counts anyway (preemptions, tokens) is read at scrape time,
-so the step loop pays nothing for it; per request, the cost is a histogram observation per
-published token and one dictionary entry, dropped when the request ends or is handed back.
+skew counts as 0). What the engine counts anyway (the batch, the KV pool, preemptions, tokens)
+is read at scrape time, from one `SchedulerStats` snapshot per scrape, so the step loop pays
+nothing for it and a scrape's gauges agree with each other; per request, the cost is a histogram
+observation per published token and one dictionary entry, dropped when the request ends or is
+handed back.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
 from worker.engine.engine import Engine
-from worker.engine.scheduler import Admitted
+from worker.engine.scheduler import Admitted, SchedulerStats
 
 log = logging.getLogger("redserve.worker.requests")
 
@@ -55,15 +57,39 @@ class Clock:
     tokens: int = 0  # tokens this worker published for it
 
 
-class _EngineTotals(Collector):
-    """Counters the engine keeps as plain integers, read at scrape time."""
+# The scheduler's snapshot as gauges: (name, documentation, figure).
+_GAUGES: tuple[tuple[str, str, Callable[[SchedulerStats], float]], ...] = (
+    ("running_requests", "Requests in the running batch", lambda s: s.running),
+    ("waiting_requests", "Requests taken but not yet admitted", lambda s: s.waiting),
+    ("kv_pages_used", "KV pages referenced by requests", lambda s: s.pages_used),
+    ("kv_pages_cached", "KV pages held only by the prefix cache", lambda s: s.pages_cached),
+    # As in the heartbeat: what a new request can take, cached pages included.
+    ("kv_pages_free", "KV pages no request references (empty, or held only by the prefix "
+     "cache and evictable)", lambda s: s.pages_free),
+    ("kv_pages_total", "KV pages in the pool", lambda s: s.pages_total),
+    ("kv_usage_ratio", "Fraction of the KV pool referenced by requests",
+     lambda s: s.pages_used / max(s.pages_total, 1)),
+)
 
-    def __init__(self, totals: dict[str, tuple[str, Callable[[], int]]]) -> None:
-        self.totals = totals
+
+class _EngineState(Collector):
+    """What the engine keeps anyway, read at scrape time from one snapshot: the batch and the
+    KV pool as gauges, its running totals as counters."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        for name, (documentation, read) in self.totals.items():
-            yield CounterMetricFamily(name, documentation, value=read())
+        stats = self.engine.scheduler.stats()
+        for name, documentation, figure in _GAUGES:
+            yield GaugeMetricFamily(f"redserve_worker_{name}", documentation,
+                                    value=figure(stats))
+        yield CounterMetricFamily("redserve_worker_preemptions_total",
+                                  "Requests preempted (pages ran out; recomputed later)",
+                                  value=stats.preempted)
+        yield CounterMetricFamily("redserve_worker_generated_tokens_total",
+                                  "Tokens sampled (rate: output tokens/s)",
+                                  value=self.engine.num_generated)
 
 
 class WorkerMetrics:
@@ -72,30 +98,10 @@ class WorkerMetrics:
         self.worker = worker
         self.registry = CollectorRegistry()
         r = self.registry
-        pages = engine.pages
-        for name, doc, read in (
-            ("running_requests", "Requests in the running batch", lambda: len(engine.running)),
-            ("waiting_requests", "Requests taken but not yet admitted",
-             lambda: len(engine.waiting)),
-            ("kv_pages_used", "KV pages referenced by requests", lambda: pages.in_use),
-            ("kv_pages_cached", "KV pages held only by the prefix cache", lambda: pages.cached),
-            # As in the heartbeat: what a new request can take, cached pages included.
-            ("kv_pages_free", "KV pages no request references (empty, or held only by the "
-             "prefix cache and evictable)", lambda: pages.available),
-            ("kv_pages_total", "KV pages in the pool", lambda: pages.num_pages),
-            ("kv_usage_ratio", "Fraction of the KV pool referenced by requests",
-             lambda: pages.in_use / max(pages.num_pages, 1)),
-            ("prefix_cache_hit_ratio", "Prompt tokens taken from the prefix cache over prompt "
-             "tokens admitted, since start", self._hit_ratio),
-        ):
-            Gauge(f"redserve_worker_{name}", doc, registry=r).set_function(read)
-        r.register(_EngineTotals({
-            "redserve_worker_preemptions_total": (
-                "Requests preempted (pages ran out; recomputed later)",
-                lambda: engine.num_preempted),
-            "redserve_worker_generated_tokens_total": (
-                "Tokens sampled (rate: output tokens/s)", lambda: engine.num_generated),
-        }))
+        r.register(_EngineState(engine))
+        Gauge("redserve_worker_prefix_cache_hit_ratio", "Prompt tokens taken from the prefix "
+              "cache over prompt tokens admitted, since start",
+              registry=r).set_function(self._hit_ratio)
         self.prompt_tokens = Counter("redserve_worker_prompt_tokens_total",
                                      "Prompt tokens of requests admitted", registry=r)
         self.cached_tokens = Counter("redserve_worker_cached_prompt_tokens_total",

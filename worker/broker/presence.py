@@ -20,6 +20,10 @@ the worker's own figures (batch, KV pages, its cumulative `generated_tokens`) pl
 beat can tell: when it was written (`at`, unix time, so a reader computes the heartbeat's age
 without knowing this worker's TTL) and `tokens_per_s` over the interval since the previous beat.
 The rate is worked out here, from two beats, so the step loop pays nothing for it.
+
+What the beat needs comes in two parts, by role: the `Worker` it announces (who it is and what
+the beat reads of it, all safe to read while a step runs on its thread), and its `Upkeep` (the
+broker parts whose Redis state the beat keeps alive).
 """
 
 from __future__ import annotations
@@ -43,21 +47,35 @@ from worker.broker.recovery import Recovery
 log = logging.getLogger("redserve.worker")
 
 
+@dataclass(frozen=True)
+class Worker:
+    """The worker the beat announces: who it is, and what the beat reads of it."""
+
+    name: str
+    model: str
+    status: Callable[[], Heartbeat]  # its own figures (with generated_tokens)
+    room: Callable[[], int]  # requests it can still take
+    held: Callable[[], list[str]]  # ids of the requests it holds
+    prefixes: Callable[[], PrefixSummary]  # what its prefix cache holds
+
+
+@dataclass(frozen=True)
+class Upkeep:
+    """The broker parts whose Redis state the beat keeps alive."""
+
+    publisher: Publisher  # the entries of the requests it runs
+    recovery: Recovery  # their idle times, and claims of dead workers' entries
+    intake: Intake  # the request stream's TTL, the entries it holds, the tenants' charges
+    aborts: AbortWatch
+
+
 @dataclass
 class Presence:
     redis: aioredis.Redis
     keys: Keys
-    name: str
-    model: str
     ttl_s: int
-    status: Callable[[], Heartbeat]  # the worker's own figures (with generated_tokens)
-    room: Callable[[], int]  # requests the worker can still take
-    held: Callable[[], list[str]]  # ids of the requests it holds
-    publisher: Publisher
-    recovery: Recovery
-    intake: Intake
-    aborts: AbortWatch
-    prefixes: Callable[[], PrefixSummary]  # what its prefix cache holds
+    worker: Worker
+    upkeep: Upkeep
     draining: bool = False
     # The version of the prefix summary last written (None: write it at the next beat).
     _written: int | None = field(default=None, init=False)
@@ -65,21 +83,24 @@ class Presence:
     _last: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0), init=False)
 
     async def run(self) -> None:
+        upkeep = self.upkeep
         while True:
             await self.beat()
-            await self._part("refresh the request stream's TTL", self.intake.refresh_ttl)
-            await self._part("refresh pending requests", lambda: self.recovery.touch(
-                [*self.publisher.entry_ids.values(), *(c.entry_id for c in self.intake.queue)]))
+            await self._part("refresh the request stream's TTL", upkeep.intake.refresh_ttl)
+            await self._part("refresh pending requests", lambda: upkeep.recovery.touch(
+                [*upkeep.publisher.entry_ids.values(),
+                 *(c.entry_id for c in upkeep.intake.queue)]))
             if not self.draining:
                 await self._part("claim abandoned requests", self._claim)
             await self._part("check abort keys",
-                             lambda: self.aborts.check(self.redis, self.held()))
-            await self._part("charge tenants' service", self.intake.taker.charge)
+                             lambda: upkeep.aborts.check(self.redis, self.worker.held()))
+            await self._part("charge tenants' service", upkeep.intake.taker.charge)
             await asyncio.sleep(self.ttl_s / 3)
 
     async def _claim(self) -> None:
-        room = self.room() - len(self.intake.queue)
-        await self.intake.offer(await self.recovery.claim(room))
+        intake = self.upkeep.intake
+        room = self.worker.room() - len(intake.queue)
+        await intake.offer(await self.upkeep.recovery.claim(room))
 
     async def _part(self, what: str, action: Callable[[], Awaitable[Any]]) -> None:
         """One part of the beat; whatever it raises is logged, and the beat goes on (a worker
@@ -94,24 +115,25 @@ class Presence:
     async def beat(self) -> None:
         """Announce this worker: its status key, and its place among the model's live
         workers unless it is draining."""
-        status = self.status()
-        summary = self.prefixes()
+        name = self.worker.name
+        status = self.worker.status()
+        summary = self.worker.prefixes()
         beat = replace(status, draining=self.draining, at=round(time.time(), 3),
                        tokens_per_s=self._rate(status.generated_tokens),
                        prefix_pages=len(summary.digests), prefix_version=summary.version)
-        workers = self.keys.workers(self.model)
+        workers = self.keys.workers(self.worker.model)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.worker(self.name), beat.to_json(), ex=self.ttl_s)
+        pipe.set(self.keys.worker(name), beat.to_json(), ex=self.ttl_s)
         if self.draining:
-            pipe.zrem(workers, self.name)
+            pipe.zrem(workers, name)
         else:
-            pipe.zadd(workers, {self.name: time.time() + self.ttl_s})
+            pipe.zadd(workers, {name: time.time() + self.ttl_s})
             pipe.expire(workers, self.ttl_s * 3)
         changed = summary.version != self._written
         if changed:
-            pipe.set(self.keys.prefixes(self.name), summary.encode(), ex=self.ttl_s)
+            pipe.set(self.keys.prefixes(name), summary.encode(), ex=self.ttl_s)
         else:
-            pipe.expire(self.keys.prefixes(self.name), self.ttl_s)
+            pipe.expire(self.keys.prefixes(name), self.ttl_s)
 
         async def send() -> None:
             self._written = None
@@ -129,8 +151,9 @@ class Presence:
         return round((generated - before) / (now - then), 2) if now > then else 0.0
 
     async def leave(self) -> None:
+        name = self.worker.name
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.worker(self.name))
-        pipe.delete(self.keys.prefixes(self.name))  # another slot: its own command
-        pipe.zrem(self.keys.workers(self.model), self.name)
+        pipe.delete(self.keys.worker(name))
+        pipe.delete(self.keys.prefixes(name))  # another slot: its own command
+        pipe.zrem(self.keys.workers(self.worker.model), name)
         await self._part("announce the shutdown", pipe.execute)

@@ -35,7 +35,7 @@ from shared.settings import WorkerSettings
 from worker.broker.aborts import AbortWatch
 from worker.broker.intake import Intake
 from worker.broker.metrics import WorkerMetrics
-from worker.broker.presence import Presence
+from worker.broker.presence import Presence, Upkeep, Worker
 from worker.broker.publisher import Publisher
 from worker.broker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
 from worker.broker.take import Room, TakePolicy, Taker
@@ -56,6 +56,7 @@ class WorkerService:
         self.settings = settings
         self.info = info
         self.engine = engine
+        self.scheduler = engine.scheduler  # the queue, the batch and the KV pool
         self.clients = clients
         self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = WorkerMetrics(engine, info.name, self.name)
@@ -70,19 +71,20 @@ class WorkerService:
         self.intake = Intake(clients, keys.requests(info.name), self.name, self.aborts,
                              self._take_room, settings.request_ttl_s, self.taker)
         self.presence = Presence(
-            clients.commands, keys, self.name, info.name, settings.heartbeat_ttl_s,
-            self._status, self._room, self.engine.request_ids, self.publisher, self.recovery,
-            self.intake, self.aborts, self.engine.pages.summary)
+            clients.commands, keys, settings.heartbeat_ttl_s,
+            Worker(self.name, info.name, self._status, self._room, self.scheduler.request_ids,
+                   self.scheduler.pages.summary),
+            Upkeep(self.publisher, self.recovery, self.intake, self.aborts))
         self.stopping = asyncio.Event()
         self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/engine/dev_hooks.py)
 
     def _room(self) -> int:
-        return self.settings.max_running - self.engine.num_requests
+        return self.settings.max_running - self.scheduler.stats().requests
 
     def _take_room(self) -> Room:
         """What the intake may take now, beside what it holds already (see worker/broker/take.py:
         the burst is for tenants holding less than their share of the batch)."""
-        tenants = collections.Counter(self.engine.tenants())
+        tenants = collections.Counter(self.scheduler.tenants())
         tenants.update(c.request.tenant for c in self.intake.queue)
         held = tenants.total()
         return Room(self.settings.max_running - held,
@@ -91,15 +93,16 @@ class WorkerService:
 
     def _status(self) -> Heartbeat:
         """What this worker knows of itself; the beat adds its time, rate and draining."""
+        stats = self.scheduler.stats()
         return Heartbeat(
             model=self.info.name,
             capacity=self.settings.max_running,
-            running=len(self.engine.running),
-            waiting=len(self.engine.waiting),
-            kv_pages_used=self.engine.pages.in_use,
-            kv_pages_free=self.engine.pages.available,
-            kv_pages_cached=self.engine.pages.cached,
-            kv_pages_total=self.engine.pages.num_pages,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_pages_used=stats.pages_used,
+            kv_pages_free=stats.pages_free,
+            kv_pages_cached=stats.pages_cached,
+            kv_pages_total=stats.pages_total,
             generated_tokens=self.engine.num_generated,
             device=str(self.engine.runner.device),
             dtype=dtype_name(self.engine.runner.kv_shape.dtype),
@@ -134,7 +137,7 @@ class WorkerService:
         while not self.stopping.is_set():
             self._admit(self.intake.take())
             try:
-                if self.engine.has_work():
+                if self.scheduler.has_work():
                     await self._step()
                 else:
                     await self.publisher.flush(batch_now=True)
@@ -146,8 +149,8 @@ class WorkerService:
         """End every request held (each gets an error entry, kept until Redis takes it),
         then retry until the outbox is written."""
         log.error("lost Redis (%s): ending %d request(s); retrying", error,
-                  self.engine.num_requests)
-        for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
+                  self.scheduler.stats().requests)
+        for seq in [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]:
             self.publisher.stage_error(seq.request.id, LOST_REDIS)
         for claimed in self.intake.take():
             self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
@@ -167,8 +170,8 @@ class WorkerService:
             return
 
     async def _step(self) -> None:
-        held = {rid: seq.request for rid, seq in self.engine.running.items()}
-        held.update((seq.request.id, seq.request) for seq in self.engine.waiting)
+        held = {rid: seq.request for rid, seq in self.scheduler.running.items()}
+        held.update((seq.request.id, seq.request) for seq in self.scheduler.waiting)
         step = asyncio.create_task(asyncio.to_thread(self._compute))
         failure: aioredis.RedisError | None = None
         try:
@@ -198,7 +201,7 @@ class WorkerService:
     def _compute(self) -> list[StepOutput]:
         fault = self.fault_token_id
         if fault is not None and any(fault in s.request.prompt_ids
-                                     for s in self.engine.running.values()):
+                                     for s in self.scheduler.running.values()):
             raise RuntimeError(f"injected fault (prompt token {fault})")
         started = time.perf_counter()
         outputs = self.engine.step()
@@ -210,15 +213,15 @@ class WorkerService:
             outputs = await step
         except Exception as e:  # a failed forward must not take the worker down
             # Its new requests are known before they are ended below.
-            self.metrics.admitted(self.engine.take_admissions())
+            self.metrics.admitted(self.scheduler.take_admissions())
             # The exception's text stays in the log: it may name internals.
             log.exception("step failed (%s); ending the requests in it", type(e).__name__)
             self.metrics.step_failures.inc()
             message = "the worker's model step failed; see the worker's log"
-            for seq in self.engine.drop_running():
+            for seq in self.scheduler.drop_running():
                 self.publisher.stage_error(seq.request.id, Error(message))
             return []
-        self.metrics.admitted(self.engine.take_admissions())
+        self.metrics.admitted(self.scheduler.take_admissions())
         self.metrics.steps.inc()
         return outputs
 
@@ -227,15 +230,15 @@ class WorkerService:
         instead, and one past its deadline with a timeout error."""
         now = time.time()
         ended: set[str] = set()
-        for rid in self.aborts.aborted(self.engine.request_ids()):
-            seq = self.engine.find(rid)
-            if seq is not None and self.engine.abort(rid):
+        for rid in self.aborts.aborted(self.scheduler.request_ids()):
+            seq = self.scheduler.find(rid)
+            if seq is not None and self.scheduler.abort(rid):
                 ended.add(rid)
                 self.publisher.stage([StepOutput(rid, seq.num_output, None, "abort",
                                                  seq.num_prompt, seq.num_output)])
-        for rid in self.engine.request_ids():
-            seq = self.engine.find(rid)
-            if seq is not None and seq.request.deadline < now and self.engine.abort(rid):
+        for rid in self.scheduler.request_ids():
+            seq = self.scheduler.find(rid)
+            if seq is not None and seq.request.deadline < now and self.scheduler.abort(rid):
                 ended.add(rid)
                 self.publisher.stage_error(rid, TIMED_OUT)
         self.publisher.stage([o for o in outputs if o.request_id not in ended])
@@ -301,11 +304,11 @@ class WorkerService:
         for claimed in self.intake.take():
             self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
             self.publisher.stage_hand_back(claimed.request.id)
-        for seq in self.engine.drop_waiting(unstarted_only=True):
+        for seq in self.scheduler.drop_waiting(unstarted_only=True):
             self.publisher.stage_hand_back(seq.request.id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.drain_grace_s
-        while self.engine.has_work() and loop.time() < deadline:
+        while self.scheduler.has_work() and loop.time() < deadline:
             try:
                 await self._step()
             except aioredis.RedisError as e:
@@ -319,7 +322,7 @@ class WorkerService:
     async def _shutdown(self) -> None:
         # Past the grace period: every request still here is handed back, to resume from its
         # published tokens on another worker (its tokens so far go out first, in this flush).
-        for seq in [*self.engine.drop_running(), *self.engine.drop_waiting()]:
+        for seq in [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]:
             if seq.request.id in self.publisher.entry_ids:
                 self.publisher.stage_hand_back(seq.request.id)
         try:

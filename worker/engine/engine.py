@@ -7,13 +7,17 @@ first masked by its grammar when it has one (`worker.engine.constraint`) and its
 `min_tokens` is not reached. What a token means for its request (a stop, a complete grammar,
 the length limit) is decided here; the scheduler only hears that the request finished.
 
-Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
-`step` runs on the compute thread.
+The scheduler is public (`Engine.scheduler`) and the engine does not repeat its interface:
+whoever reads the queue or the KV pool (`Scheduler.stats` for the figures), or finds, aborts or
+drops requests, asks the scheduler itself. The engine's own are what needs the model: admitting
+a request (`add`: its context, its grammar, its stop tokens) and the step.
+
+Not thread-safe by design: the worker service calls `add` and the scheduler's `abort` only
+between steps, while `step` runs on the compute thread.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,9 +28,8 @@ from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
 from worker.engine.chunk import Chunk
 from worker.engine.constraint import ConstraintError, Constraints, suppress
 from worker.engine.kv_cache import KVPool, KVShape
-from worker.engine.pages import PageManager
 from worker.engine.sampler import Row, SamplingError, make_generator, sample
-from worker.engine.scheduler import Admitted, Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import Sequence
 from worker.engine.threads import ThreadPolicy
 
@@ -94,57 +97,6 @@ class Engine:
         self.num_generated = 0  # tokens sampled since start (the heartbeat's tokens/s)
         self.generator = torch.Generator(device=runner.device)  # seeded requests have their own
         self.generator.seed()
-
-    # The scheduler's state, as the service, its metrics and the tests read it.
-    @property
-    def waiting(self) -> deque[Sequence]:
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> dict[str, Sequence]:
-        return self.scheduler.running
-
-    @property
-    def pages(self) -> PageManager:
-        return self.scheduler.pages
-
-    @property
-    def num_preempted(self) -> int:
-        return self.scheduler.num_preempted
-
-    @property
-    def num_requests(self) -> int:
-        return self.scheduler.num_requests
-
-    def take_admissions(self) -> list[Admitted]:
-        """Requests that left the queue for their first step since the last call."""
-        return self.scheduler.take_admissions()
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def request_ids(self) -> list[str]:
-        """Safe to call while a step runs on its thread (see `Scheduler.request_ids`)."""
-        return self.scheduler.request_ids()
-
-    def tenants(self) -> list[str]:
-        return self.scheduler.tenants()
-
-    def find(self, request_id: str) -> Sequence | None:
-        return self.scheduler.find(request_id)
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request and free its pages now. True if it was here."""
-        return self.scheduler.abort(request_id)
-
-    def drop_running(self) -> list[Sequence]:
-        """Remove every running request (after a failed step) and free its pages."""
-        return self.scheduler.drop_running()
-
-    def drop_waiting(self, *, unstarted_only: bool = False) -> list[Sequence]:
-        """Remove queued requests; with `unstarted_only`, keep the preempted ones (they have
-        published tokens, so only this engine can finish them without a repeat)."""
-        return self.scheduler.drop_waiting(unstarted_only=unstarted_only)
 
     def add(self, request: GenerateRequest,
             generated: tuple[int, ...] = ()) -> FinishReason | None:

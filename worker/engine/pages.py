@@ -60,11 +60,6 @@ class PageManager:
         """Pages held only by the prefix cache."""
         return len(self._evictable)
 
-    @property
-    def in_use(self) -> int:
-        """Pages referenced by at least one request."""
-        return self.num_pages - self.available
-
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -27,8 +27,10 @@ KV is now in their pages: full pages are published to the prefix cache) and `fin
 request that ended.
 
 Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
-`schedule` runs on the compute thread; `request_ids` is the one method made safe to call
-while a step runs.
+`schedule` runs on the compute thread; `request_ids`, `tenants` and `stats` are made safe to
+call while a step runs. `stats` is how everyone else (the heartbeat, the metrics, the service)
+reads the batch and the KV pool: one frozen `SchedulerStats`, so no reader depends on the queue's
+or the page manager's internals.
 """
 
 from __future__ import annotations
@@ -97,6 +99,25 @@ class SchedulerOutput:
                 if chunk.sample]
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The batch and the KV pool at one moment, as the heartbeat (`shared.messages.Heartbeat`)
+    and the worker's metrics show them."""
+
+    running: int  # requests in the running batch
+    waiting: int  # queued for room in the batch, preempted ones included
+    pages_used: int  # referenced by at least one request
+    pages_free: int  # an allocation can take them: empty, or held only by the prefix cache
+    pages_cached: int  # held only by the prefix cache (counted in `pages_free`)
+    pages_total: int
+    preempted: int  # requests preempted since start
+
+    @property
+    def requests(self) -> int:
+        """Requests this scheduler holds, running or waiting."""
+        return self.running + self.waiting
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -113,9 +134,16 @@ class Scheduler:
         """Tokens of KV the whole pool holds: a request that may grow past it can never run."""
         return self.pages.num_pages * self.pages.page_size
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+    def stats(self) -> SchedulerStats:
+        """A snapshot; safe to call while a step runs on its thread (each figure is one read,
+        and the pool's used and free pages are worked out from one count, so they add up)."""
+        free = self.pages.available
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting),
+            pages_used=self.pages.num_pages - free, pages_free=free,
+            pages_cached=self.pages.cached, pages_total=self.pages.num_pages,
+            preempted=self.num_preempted,
+        )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
