@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from tests.marks import needs_native
 from tests.stack import child_env
-from worker import native_ops
+from worker.engine import native_ops
 from worker.engine.chunk import Chunk
 from worker.engine.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
 from worker.engine.kv_cache import KVPool
