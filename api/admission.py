@@ -61,7 +61,6 @@ class Admission:
         now = time.time()
         limits = self.limits
         oldest_ms = int((now - self.request_ttl_s) * 1000)
-        fields = request.to_fields()
         model = request.model
         reply = await self._script(
             AdmitKeys.of(ModelQueue.of(self.keys, model),
@@ -72,7 +71,7 @@ class Admission:
                       queued_ttl_s=int(limits.timeout_s) + 10,
                       max_per_tenant=limits.max_per_tenant, tenant=request.tenant,
                       min_id=f"{max(oldest_ms, 0)}-0", request_ttl_s=self.request_ttl_s,
-                      request_id=fields["id"], body=fields["body"],
+                      request_id=request.id, body=request.model_dump_json(),
                       limit=charge.args() if charge else NO_LIMIT))
         bucket = BucketReply.of(charge, reply) if charge and charge.limited else None
         return Admitted(self._why(reply.status), bucket)

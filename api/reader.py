@@ -50,6 +50,7 @@ from shared.messages import (
     decode_feed,
     decode_result,
     expand,
+    feed_marker,
     feed_min_id,
 )
 from shared.redis_conn import RedisClients, StreamEntries, stream_reply
@@ -185,7 +186,7 @@ class ResultReader:
         """The feed exists from here on (workers never make it), with its TTL."""
         seconds, micros = await self.clients.commands.time()  # trimmed by Redis's clock
         pipe = self.clients.commands.pipeline(transaction=False)
-        pipe.xadd(self.feed_key, {"d": ""}, minid=feed_min_id(seconds + micros / 1e6),
+        pipe.xadd(self.feed_key, feed_marker(), minid=feed_min_id(seconds + micros / 1e6),
                   approximate=True)
         pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()

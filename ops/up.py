@@ -25,12 +25,17 @@ import httpx
 from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
 from shared.models import ModelInfo, ModelNotFound, resolve_models
-from shared.settings import ApiSettings
+from shared.settings import ApiSettings, WorkerSettings
 
 # `up` names each model on its children's command lines; the same settings in its environment
 # would add to them.
 _MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_FILE")
 log = logging.getLogger("redserve.up")
+
+# The worker settings `up` takes as options and hands to each worker as the same flags.
+WORKER_FLAGS = ("device", "dtype", "kernels", "quantization", "threads", "decode_threads",
+                "max_running", "queue_policy", "kv_cache_memory", "page_size",
+                "max_prefill_tokens")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -38,6 +43,9 @@ def run_up(args: argparse.Namespace) -> int:
     settings = settings_from(ApiSettings, args, "port", "model", "served_model_name",
                              "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",
                              "access_log", *LOGGING)
+    # The workers' settings too, though `up` passes them on as flags: a bad one is said now,
+    # in one line, not by every worker as the supervisor restarts it.
+    settings_from(WorkerSettings, args, *WORKER_FLAGS, "batch_invariant")
     auth_env = _auth_env(settings, host)
     _check_tenants(settings)
     specs = model_specs(settings)
@@ -117,14 +125,8 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
         args.threads = max(1, cores // processes)
     if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
         args.decode_threads = max(1, (cores - 1) // processes)
-    flags = (("device", "--device"), ("dtype", "--dtype"), ("kernels", "--kernels"),
-             ("quantization", "--quantization"), ("threads", "--threads"),
-             ("decode_threads", "--decode-threads"),
-             ("max_running", "--max-running"), ("queue_policy", "--queue-policy"),
-             ("kv_cache_memory", "--kv-cache-memory"), ("page_size", "--page-size"),
-             ("max_prefill_tokens", "--max-prefill-tokens"))
-    worker_flags = [f for name, flag in flags
-                    if getattr(args, name) is not None for f in (flag, str(getattr(args, name)))]
+    worker_flags = [f for name in WORKER_FLAGS if getattr(args, name) is not None
+                    for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     if args.batch_invariant:
         worker_flags.append("--batch-invariant")
     logs = ["--log-format", settings.log_format, "--log-level", settings.log_level]

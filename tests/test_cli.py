@@ -57,6 +57,22 @@ def test_api_without_redis_url_refuses_to_start() -> None:
     assert result.returncode == 2 and "REDIS_URL" in result.stderr
 
 
+@pytest.mark.parametrize(("env", "flags", "named"), [
+    ({"REDSERVE_MAX_RUNNING": "0"}, [], "REDSERVE_MAX_RUNNING"),
+    ({}, ["--page-size", "0"], "--page-size"),
+    ({"REDSERVE_MAX_QUEUED_REQUESTS": "0"}, [], "REDSERVE_MAX_QUEUED_REQUESTS"),
+])
+def test_up_refuses_a_bad_setting_of_either_side_before_starting_anything(
+        env: dict[str, str], flags: list[str], named: str) -> None:
+    """A worker's setting as much as a replica's: one line naming it and exit 2, before Redis
+    or any child starts (not a worker failing over and over under the supervisor)."""
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "up", *flags], capture_output=True,
+                          text=True, env={**child_env(None, "rs"), **env}, timeout=60)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2 and f"invalid {named}" in said, said
+    assert "embedded" not in said and "ready" not in said, said
+
+
 def _without_auth_choice(env: dict[str, str]) -> dict[str, str]:
     """The environment of a user who has said nothing about authentication."""
     return {k: v for k, v in env.items() if k not in ("REDSERVE_NO_AUTH", "REDSERVE_API_KEYS")}

@@ -1,5 +1,5 @@
 """`redserve inspect` against a real stack with requests held in flight, and the redis-cli
-recipes of docs/operations.md run against the same keys.
+recipes of docs/observability.md run against the same keys.
 
 A worker with room for three requests and a 100 ms stand-in step runs a streaming request, a
 non-streaming one and a stream whose client went away (resume grace on), while a fourth waits
@@ -40,7 +40,7 @@ MODEL = "tiny-llama"
 TTL_S = 3  # the worker's heartbeat TTL
 LONG = {"model": MODEL, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
         "temperature": 0}
-OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+OBSERVABILITY = Path(__file__).resolve().parent.parent / "docs" / "observability.md"
 REDIS_CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
 
 
@@ -251,7 +251,7 @@ def test_keys_are_recognised_by_the_key_builders() -> None:
                                            frozenset({"x"}))
 
 
-# --- docs/operations.md's redis-cli recipes -------------------------------------------------------
+# --- docs/observability.md's redis-cli recipes ------------------------------------------------
 
 EXAMPLE_ID = "9051c738-3347a48c44e9294cf8eba197"
 EXAMPLE_MODEL = "SmolLM2-135M-Instruct"
@@ -259,11 +259,11 @@ EXAMPLE_WORKER = "gpu-0-4242"
 
 
 def doc_recipes() -> list[str]:
-    """Every `redis-cli` line of docs/operations.md's recipe block (the one after "To look
+    """Every `redis-cli` line of docs/observability.md's recipe block (the one after "To look
     at")."""
-    text = OPERATIONS.read_text()
+    text = OBSERVABILITY.read_text()
     block = re.search(r"To look at.*?```sh\n(.*?)```", text, re.S)
-    assert block is not None, "the redis-cli recipe block of docs/operations.md is missing"
+    assert block is not None, "the redis-cli recipe block of docs/observability.md is missing"
     return [line for line in block.group(1).splitlines() if line.startswith("redis-cli ")]
 
 
@@ -282,7 +282,7 @@ def _live(recipe: str, busy: Busy) -> list[str]:
 
 
 def _check(command: str, reply: Any, busy: Busy) -> None:
-    """What docs/operations.md says each command returns."""
+    """What docs/observability.md says each command returns."""
     if command == "HGETALL" and "state" not in reply:  # the model's service counters
         assert float(reply["anonymous"]) > 0
     elif command == "HGETALL":  # the request's hash

@@ -11,7 +11,7 @@ import pytest
 
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.engine.build import build_engine
 from worker.engine.engine import Engine
 from worker.engine.scheduler import SchedulerStats
@@ -23,8 +23,8 @@ PAGES = 8  # 128 tokens of KV
 @pytest.fixture
 def engine(tiny_model: Path) -> Engine:
     # fp32 KV of 2 layers x 2 heads x 32 dims: 1 KiB a token, so a budget of exactly PAGES.
-    settings = Settings(device="cpu", dtype="float32", kernels="torch", max_running=4,
-                        page_size=PAGE_SIZE, kv_cache_memory=PAGES * PAGE_SIZE * 1024)
+    settings = WorkerSettings(device="cpu", dtype="float32", kernels="torch", max_running=4,
+                              page_size=PAGE_SIZE, kv_cache_memory=PAGES * PAGE_SIZE * 1024)
     return build_engine(resolve_model(str(tiny_model), settings.cache_dir), settings)
 
 

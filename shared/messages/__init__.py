@@ -49,7 +49,9 @@ from shared.messages.results import (
     decode_result,
     expand,
     feed_fields,
+    feed_marker,
     feed_min_id,
+    feed_payload,
     is_terminal,
     queue_timeout,
 )
@@ -60,5 +62,6 @@ __all__ = [
     "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary",
     "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
     "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",
-    "decode_result", "expand", "feed_fields", "feed_min_id", "is_terminal", "queue_timeout",
+    "decode_result", "expand", "feed_fields", "feed_marker", "feed_min_id", "feed_payload",
+    "is_terminal", "queue_timeout",
 ]

@@ -114,16 +114,31 @@ def feed_min_id(now: float) -> str:
     return f"{int((now - FEED_RETENTION_S) * 1000)}-0"
 
 
+# A feed entry's one field: the JSON of {request id: that request's result entry}. One field of
+# the same name in every entry: Redis stores and replies it far more cheaply than a field per
+# request (measured: a step's feed XADD and XREAD cost half as much).
+FEED_FIELD = "d"
+
+
 def feed_fields(entries: dict[str, dict[str, str]]) -> dict[str, str]:
-    """A feed entry: one field `d`, the JSON of {request id: that request's result entry}. One
-    field of the same name in every entry: Redis stores and replies it far more cheaply than a
-    field per request (measured: a step's feed XADD and XREAD cost half as much)."""
-    return {"d": orjson.dumps(entries).decode()}
+    """A feed entry carrying `entries` (see `FEED_FIELD`)."""
+    return {FEED_FIELD: orjson.dumps(entries).decode()}
+
+
+def feed_marker() -> dict[str, str]:
+    """The entry a replica makes its feed with: it carries no request's entry."""
+    return {FEED_FIELD: ""}
+
+
+def feed_payload(fields: dict[bytes, bytes]) -> bytes:
+    """A feed entry's JSON, undecoded: a request id can be looked for in it before any
+    decoding."""
+    return fields.get(FEED_FIELD.encode(), b"")
 
 
 def decode_feed(fields: dict[bytes, bytes]) -> dict[str, dict[str, str]]:
     """A feed entry's request entries (a replica's own marker entry has none)."""
-    payload = fields.get(b"d")
+    payload = feed_payload(fields)
     return orjson.loads(payload) if payload else {}
 
 

@@ -1,15 +1,15 @@
 """Taking requests off the model's queue, in the background, only as far as there is room.
 
-Whenever the worker has room, the take script (worker/broker/take.py) hands it the queued requests
-it should run next (fair share, priority, placement), up to that room, in one command. With room
-left and nothing more for it, the intake blocks on XREAD from where the stream ended at that
-take, so a request that arrives even a moment after it wakes the worker at once (and one placed
-on another worker is looked at again when it becomes anyone's). All of this runs beside the
-steps rather than between them: a request that arrives mid-step is taken as it arrives and
-admitted at the next step boundary. Requests claimed from dead workers (see
-worker/broker/recovery.py) join the same queue. Each batch's abort keys are read once, before the
-batch is offered (where an announcement could have been missed, see `offer`), so a request
-cancelled while it was queued never starts.
+Whenever the worker has room, the take script (shared/scripts/take.py, run by
+worker/broker/take.py) hands it the queued requests it should run next (fair share, priority,
+placement), up to that room, in one command. With room left and nothing more for it, the intake
+blocks on XREAD from where the stream ended at that take, so a request that arrives even a
+moment after it wakes the worker at once (and one placed on another worker is looked at again
+when it becomes anyone's). All of this runs beside the steps rather than between them: a request
+that arrives mid-step is taken as it arrives and admitted at the next step boundary. Requests
+claimed from dead workers (see worker/broker/recovery.py) join the same queue. Each batch's
+abort keys are read once, before the batch is offered (where an announcement could have been
+missed, see `offer`), so a request cancelled while it was queued never starts.
 
 Nothing taken is ever dropped: a take is one script (never cancelled halfway; what it claimed
 is offered), and `stop` ends the wait that follows it (the XREAD it cancels only watches the
@@ -147,8 +147,6 @@ class Intake:
         when a slot frees first, rather than being cancelled (that would drop its
         connection); the next wait reuses it: from an older id it only wakes sooner."""
         block = BLOCK_MS if taken.retry_ms < 0 else max(min(taken.retry_ms, BLOCK_MS), 1)
-        if not taken.last_id:  # the room went to entries added by hand: take again
-            return
         if self._arrival is None or self._arrival.done():
             if self._arrival is not None:  # a wake for a take that has happened since
                 with contextlib.suppress(Exception):

@@ -4,20 +4,19 @@ A request stays pending in the consumer group from the moment a worker reads it 
 worker writes its terminal entry (XACK + XDEL in the same pipeline). Live workers keep their
 pending entries fresh by re-claiming them to themselves (XCLAIM with JUSTID resets the idle
 time) every heartbeat, so an entry idle for longer than `reclaim_after_s` belongs to a worker
-that stopped beating. Any worker with room claims such entries (XPENDING with IDLE, walking
-the group's pending list with its cursor across calls, so a long list is covered in turn rather
-than its head over and over, then XCLAIM with the same idle bound, so two workers never both
-claim one). Entries pending under the queue's consumer (`QUEUED_CONSUMER`) are requests still
-waiting in the queue, not abandoned ones: recovery leaves them to the take script
-(worker/broker/take.py) and resumes each request from its prompt plus the tokens its client may have
-seen: those in its result stream, then those its dead worker had sent only to the replica's
-feed (the record trails the feed by up to a chunk: worker/broker/record.py), read back from the feed
-after the record's last entry and recorded by the new worker. They are prefilled, not
+that stopped beating. Any worker with room claims such entries (XPENDING with IDLE, walking the
+group's pending list with its cursor across calls, so a long list is covered in turn rather than
+its head over and over, then XCLAIM with the same idle bound, so two workers never both claim
+one). Entries pending under the queue's consumer (`QUEUED_CONSUMER`) are requests still waiting
+in the queue, not abandoned ones: recovery leaves them to the take script
+(shared/scripts/take.py) and resumes each request from its prompt plus the tokens its client may
+have seen: those in its result stream, then those its dead worker had sent only to the replica's
+feed (the record trails the feed by up to a chunk: worker/broker/record.py), read back from the
+feed after the record's last entry and recorded by the new worker. They are prefilled, not
 generated again, so the client sees neither a gap nor a repeat, and seeded sampling continues
-where it was (the seed of each token depends only on its position). A worker restarted under
-the same name (as `redserve up` restarts them) takes back its own pending entries at once. A
-request delivered too many times ends with an error entry instead of taking down worker after
-worker.
+where it was (the seed of each token depends only on its position). A worker restarted under the
+same name (as `redserve up` restarts them) takes back its own pending entries at once. A request
+delivered too many times ends with an error entry instead of taking down worker after worker.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from shared.messages import (
     decode_feed,
     decode_result,
     expand,
+    feed_payload,
     is_terminal,
 )
 from shared.redis_conn import StreamEntries, stream_reply
@@ -195,7 +195,7 @@ class Recovery:
             page = cast(StreamEntries, await self.redis.xrange(feed, start, stop,
                                                                count=FEED_PAGE))
             for _, fields in page:
-                if key not in fields.get(b"d", b""):
+                if key not in feed_payload(fields):
                     continue
                 entry = decode_feed(fields).get(request_id)
                 for part in expand(decode_result(entry)) if entry else ():
