@@ -186,8 +186,8 @@ class ResultReader:
         """The feed exists from here on (workers never make it), with its TTL."""
         seconds, micros = await self.clients.commands.time()  # trimmed by Redis's clock
         pipe = self.clients.commands.pipeline(transaction=False)
-        pipe.xadd(self.feed_key, feed_marker(), minid=feed_min_id(seconds + micros / 1e6),
-                  approximate=True)
+        pipe.xadd(self.feed_key, feed_marker(),  # type: ignore[arg-type]
+                  minid=feed_min_id(seconds + micros / 1e6), approximate=True)
         pipe.expire(self.feed_key, self._ttl_s)
         entry_id, _ = await pipe.execute()
         return bytes(entry_id)
