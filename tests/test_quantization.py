@@ -54,14 +54,14 @@ def test_an_int8_linear_computes_its_dequantized_weight(bf16: PreTrainedModel) -
 def test_the_setting_reaches_the_workers_model(smollm2: ModelInfo,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     args = parser().parse_args(["worker", "--quantization", "int8", "--dtype", "bfloat16"])
-    assert settings_from(args, "quantization").quantization == "int8"
+    assert settings_from(WorkerSettings, args, "quantization").quantization == "int8"
     monkeypatch.setenv("REDSERVE_QUANTIZATION", "int8")
     assert WorkerSettings().quantization == "int8"
     monkeypatch.delenv("REDSERVE_QUANTIZATION")
     assert WorkerSettings().quantization == "none"  # off unless asked for
 
     settings = WorkerSettings(device="cpu", dtype="bfloat16", quantization="int8",
-                        kv_cache_memory=16 * 1024**2)
+                              kv_cache_memory=16 * 1024**2)
     runner = build_engine(smollm2, settings).runner
     assert isinstance(runner, ModelRunner)
     *decoder, lm_head = runner.linears()
