@@ -1,6 +1,6 @@
 # Two commands for a fresh machine with Python 3.11+:
 #   make up    set up the environment, obtain the default model, run the whole system
-#   make test  set up the environment, lint, type-check and run the whole test suite
+#   make test  set up the environment, lint, type-check, check the import contracts, run the tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
