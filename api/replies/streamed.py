@@ -20,14 +20,34 @@ from api.responses import ReplyHeader
 from api.tools.parse import ParsedCall
 from shared.messages import Error, Finish, Tokens
 
+# A keep-alive this often, for proxies that close a connection idle for longer.
+PING_S = 15
+
+
+class Ping(ServerSentEvent):
+    """The keep-alive: a comment line, with no blank line after it. A blank line ends an
+    event, and a client that keeps the last event id across events (as the SSE spec says, and
+    the official openai client does) would take a comment and a blank line after a numbered
+    event for an event of its own, with that id and no data, and fail to parse it. Without
+    the blank line the comment joins the next event, which ignores it."""
+
+    def encode(self) -> bytes:
+        return b": ping\n"
+
+
+def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str],
+                 background: BackgroundTask | None = None, ping_s: float = PING_S
+                 ) -> EventSourceResponse:
+    return EventSourceResponse(events, headers=headers, sep="\n", ping=ping_s,
+                               ping_message_factory=Ping,
+                               background=background)
+
 
 def sse(choices: list[Choice], spec: ReplySpec, headers: dict[str, str], after: int = 0
         ) -> Response:
-    return EventSourceResponse(
+    return event_stream(
         _numbered(_stream(choices, spec.header, spec.prompt_tokens, spec.usage_mode), after),
-        headers=headers, sep="\n", ping=15,
-        background=BackgroundTask(close_all, choices),
-    )
+        headers, BackgroundTask(close_all, choices))
 
 
 async def _numbered(events: AsyncIterator[ServerSentEvent], after: int
