@@ -251,28 +251,39 @@ def test_a_worker_killed_between_chunks_is_taken_over_from_record_and_feed(
     keys = Keys(stack.prefix)
     bodies = [{"model": MODEL, "prompt": [60 + i, 7, 9], "max_tokens": 400, "temperature": 1.0,
                "ignore_eos": True, "stream": True} for i in range(8)]
-    victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
+    names = [f"{socket.gethostname()}-{stack.worker_proc(i).pid}" for i in range(2)]
     try:
         async def disturbed() -> tuple[list[tuple[str, str, str]], list[tuple[int, int]]]:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
                 run = asyncio.gather(*(_stream(client, b) for b in bodies))
 
-                def orphans() -> list[str]:  # the started requests the victim holds
+                def orphans(worker: str) -> list[str]:  # the started requests it holds
                     held = sync_redis.xpending_range(keys.requests(MODEL), WORKER_GROUP, "-",
-                                                     "+", 100, consumername=victim)
+                                                     "+", 100, consumername=worker)
                     entries = dict(sync_redis.xrange(keys.requests(MODEL)))
                     return [rid for p in held if p["message_id"] in entries
                             for rid in [entries[p["message_id"]][b"id"].decode()]
                             if sync_redis.xlen(keys.out(rid)) > 1]
 
-                def trailing() -> bool:  # some orphan's record trails its feed
-                    return any(fed > recorded for recorded, fed in
-                               (_ends(sync_redis, keys, rid) for rid in orphans()))
+                def trailing() -> int | None:
+                    """A worker (either: whichever took the requests) holding a request whose
+                    record trails its feed."""
+                    return next((i for i, name in enumerate(names)
+                                 if any(fed > recorded for recorded, fed in
+                                        (_ends(sync_redis, keys, rid)
+                                         for rid in orphans(name)))), None)
 
-                assert await asyncio.to_thread(eventually, trailing, 60), stack.output()
-                stack.worker_proc(0).send_signal(signal.SIGKILL)
-                stack.worker_proc(0).wait()
-                ends = [_ends(sync_redis, keys, rid) for rid in orphans()]
+                found: list[int] = []
+
+                def victim_found() -> bool:
+                    found.extend(i for i in [trailing()] if i is not None)
+                    return bool(found)
+
+                assert await asyncio.to_thread(eventually, victim_found, 60), stack.output()
+                victim = found[0]
+                stack.worker_proc(victim).send_signal(signal.SIGKILL)
+                stack.worker_proc(victim).wait()
+                ends = [_ends(sync_redis, keys, rid) for rid in orphans(names[victim])]
                 return await run, ends
 
         results, ends = asyncio.run(disturbed())
