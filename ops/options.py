@@ -108,11 +108,11 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("none", "int8"),
                    help="weights of the decoder layers: none (default) or int8 (CPU at "
                    "bfloat16 only; faster alone, slower batched) [env REDSERVE_QUANTIZATION]")
-    p.add_argument("--threads", type=int, help="CPU threads of a big (prefill) step (default: "
-                   "every core; under `up`, shared among the workers) [env REDSERVE_THREADS]")
-    p.add_argument("--decode-threads", type=int, help="CPU threads of a decode step (default: "
-                   "as --threads; under `up`, one core fewer, left to the API and Redis) "
-                   "[env REDSERVE_DECODE_THREADS]")
+    p.add_argument("--threads", type=int, help="the most CPU threads a step uses (default: "
+                   "every core; under `up`, shared among the workers); each step's count is "
+                   "chosen by measuring the steps [env REDSERVE_THREADS]")
+    p.add_argument("--decode-threads", type=int, help="pin the CPU threads of steps under 256 "
+                   "tokens (default 0: chosen by measurement) [env REDSERVE_DECODE_THREADS]")
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
     p.add_argument("--queue-policy", choices=("fair", "fifo"), help="which queued request a "

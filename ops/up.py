@@ -123,8 +123,6 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     cores = usable_cpus()
     if args.threads is None and "REDSERVE_THREADS" not in os.environ:
         args.threads = max(1, cores // processes)
-    if args.decode_threads is None and "REDSERVE_DECODE_THREADS" not in os.environ:
-        args.decode_threads = max(1, (cores - 1) // processes)
     worker_flags = [f for name in WORKER_FLAGS if getattr(args, name) is not None
                     for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     if args.batch_invariant:

@@ -161,10 +161,10 @@ class WorkerSettings(Settings):
     # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
     # slower (see worker/engine/linear.py); refused at start on any other device or dtype.
     quantization: Literal["none", "int8"] = "none"
-    # CPU threads of the worker's compute (see worker/engine/threads.py): `threads` for big
-    # (prefill) steps, `decode_threads` for the others; 0: every core the worker may use.
-    # `redserve up` divides the cores among its workers and leaves one to the API and Redis in
-    # decode steps.
+    # CPU threads of the worker's compute (see worker/engine/threads.py): `threads`, the most
+    # a step uses (0: every core the worker may use; `redserve up` divides the cores among its
+    # workers); each step's count is chosen by measuring the steps, unless `decode_threads`
+    # pins the count of steps under 256 tokens.
     threads: int = Field(default=0, ge=0)
     decode_threads: int = Field(default=0, ge=0)
     max_running: int = Field(default=32, ge=1)

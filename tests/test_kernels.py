@@ -136,9 +136,9 @@ def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol:
 
 @needs_native
 def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch() -> None:
-    """bf16: a request decoded alone, beside others, and recomputed from its history in one
-    prefill (what a worker that takes over a crashed one's request does) gets bit-identical
-    logits at every position."""
+    """bf16: a request decoded alone, beside others, on one thread or two, and recomputed from
+    its history in one prefill (what a worker that takes over a crashed one's request does)
+    gets bit-identical logits at every position."""
     model = _model(torch.bfloat16)
     prompt, steps = list(range(11, 40)), 12
 
@@ -163,7 +163,14 @@ def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch() -> None
         return rows
 
     runner = _runner(model, "vllm-cpu", invariant=True)
-    alone, beside_one, beside_two = decode(runner, 0), decode(runner, 1), decode(runner, 2)
-    for a, b, c in zip(alone, beside_one, beside_two, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    threads = torch.get_num_threads()
+    try:  # and at any thread count, since the worker chooses each step's (threads.py)
+        torch.set_num_threads(1)
+        one_thread = decode(runner, 2)
+        torch.set_num_threads(2)
+        alone, beside_one, beside_two = decode(runner, 0), decode(runner, 1), decode(runner, 2)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c, d in zip(alone, beside_one, beside_two, one_thread, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     assert torch.equal(alone[-1], alone[-2])  # re-prefilled as decoded

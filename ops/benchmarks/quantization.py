@@ -148,7 +148,7 @@ def _engine(path: Path, config: str, batch: int, context: int, steps: int,
     engine = Engine(runner, KVPool(runner.kv_shape, batch * -(-length // PAGE), PAGE),
                     EngineConfig(max_running=batch, max_step_tokens=512, max_model_len=length,
                                  page_size=PAGE, prefix_caching=False,
-                                 threads=ThreadPolicy(threads, threads)),
+                                 threads=ThreadPolicy(threads, pinned=True)),
                     eos_token_ids=())
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

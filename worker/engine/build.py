@@ -56,11 +56,9 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     log.info("computing in %s on %s (--dtype %s)", dtype_name(dtype), device, settings.dtype)
-    large = settings.threads or usable_cpus()
-    threads = ThreadPolicy(large, settings.decode_threads or large)
+    threads = ThreadPolicy(settings.threads or usable_cpus(), settings.decode_threads)
     if device.type == "cpu":
-        log.info("CPU threads: %d in prefill steps, %d in decode steps", threads.large,
-                 threads.small)
+        log.info("CPU threads: %s", threads.describe())
         _cap_onednn_caches()
     check_quantization(settings.quantization, dtype, device)  # before the slow load
     runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,

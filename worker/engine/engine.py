@@ -18,6 +18,7 @@ between steps, while `step` runs on the compute thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,7 +32,7 @@ from worker.engine.kv_cache import KVPool, KVShape
 from worker.engine.sampler import Row, SamplingError, make_generator, sample
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import Sequence
-from worker.engine.threads import ThreadPolicy
+from worker.engine.threads import ThreadChooser, ThreadPolicy
 
 
 class Runner(Protocol):
@@ -97,6 +98,7 @@ class Engine:
         self.num_generated = 0  # tokens sampled since start (the heartbeat's tokens/s)
         self.generator = torch.Generator(device=runner.device)  # seeded requests have their own
         self.generator.seed()
+        self.threads = ThreadChooser(config.threads) if config.threads is not None else None
 
     def add(self, request: GenerateRequest,
             generated: tuple[int, ...] = ()) -> FinishReason | None:
@@ -150,9 +152,13 @@ class Engine:
 
     def _run(self, plan: SchedulerOutput) -> torch.Tensor:
         """One forward pass over the plan's chunks: logits for `plan.sampled`, in order."""
-        if self.config.threads is not None:
-            self.config.threads.apply(plan.num_tokens)
-        return self.runner.forward(plan.chunks)
+        if self.threads is None:
+            return self.runner.forward(plan.chunks)
+        threads = self.threads.apply(plan.num_tokens)
+        start = time.perf_counter()
+        logits = self.runner.forward(plan.chunks)
+        self.threads.record(plan.num_tokens, threads, time.perf_counter() - start)
+        return logits
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         """Record the plan's KV as computed, then sample a token for every request whose chunk
