@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          'one {"prompt": ...} or {"messages": [...]} a line, optionally with '
                          '"output_len"')
     prompts.add_argument("--tokenizer", help="tokenizer.json, a directory holding one, or a "
-                         "Hugging Face Hub name (default: that of redserve's default model)")
+                         "Hub name (default: the served model's own, as a redserve model or on the "
+                         "Hub; else the default model's, with a warning)")
     prompts.add_argument("--num-prompts", type=positive, help="requests per run "
                          "(default 100 random prompts, or every line of --dataset, reused "
                          "in order if fewer)")
