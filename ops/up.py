@@ -35,7 +35,7 @@ log = logging.getLogger("redserve.up")
 # The worker settings `up` takes as options and hands to each worker as the same flags.
 WORKER_FLAGS = ("device", "dtype", "kernels", "quantization", "threads", "decode_threads",
                 "max_running", "queue_policy", "kv_cache_memory", "page_size",
-                "max_prefill_tokens")
+                "max_prefill_tokens", "speculation", "speculative_tokens")
 
 
 def run_up(args: argparse.Namespace) -> int:

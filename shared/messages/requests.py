@@ -30,6 +30,9 @@ class SamplingParams(BaseModel):
     # Log-probabilities: None = none; N = the chosen token's and its N best alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     min_tokens: int = Field(default=0, ge=0)  # no stop token before this many (vLLM's)
+    # Draft tokens may be verified for it when its worker speculates (worker/engine/speculation/);
+    # False: one token a step, as the body's `speculation: false` asks.
+    speculate: bool = True
 
 
 class GenerateRequest(BaseModel):

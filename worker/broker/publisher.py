@@ -115,25 +115,25 @@ class Publisher:
             self.metrics.hand_back(request_id)
 
     def stage(self, outputs: Iterable[StepOutput]) -> None:
+        """A step's outputs. A request's consecutive outputs (a speculating request emits
+        several tokens a step) make one tokens entry, and one finish carrying them."""
         now = time.monotonic()
-        for out in outputs:
-            if out.error is not None:
-                self.stage_error(out.request_id, out.error)
+        for group in _by_request(outputs):
+            last = group[-1]
+            if last.error is not None:  # an error comes alone (worker/engine/engine.py)
+                self.stage_error(last.request_id, last.error)
                 continue
-            tokens = None
-            if out.token is not None:
-                logprobs = (out.logprob,) if out.logprob is not None else None
-                queued_ms = None if out.queued_s is None else round(out.queued_s * 1000)
-                tokens = Tokens(out.index, (out.token,), logprobs, queued_ms)
-                self.record.add(out.request_id, tokens, now)
-            if out.finish is None:
+            tokens = _tokens(group)
+            if tokens is not None:
+                self.record.add(last.request_id, tokens, now)
+            if last.finish is None:
                 if tokens is not None:
-                    self._staged.live.append((out.request_id, tokens.to_fields()))
+                    self._staged.live.append((last.request_id, tokens.to_fields()))
                 continue
-            rid = out.request_id
-            counts = out.prompt_tokens, out.completion_tokens, out.cached_tokens
-            self._end(rid, Finish(out.finish, *counts, self.record.take(rid)),
-                      Finish(out.finish, *counts, tokens))
+            rid = last.request_id
+            counts = last.prompt_tokens, last.completion_tokens, last.cached_tokens
+            self._end(rid, Finish(last.finish, *counts, self.record.take(rid)),
+                      Finish(last.finish, *counts, tokens))
 
     def stage_error(self, request_id: str, error: Error) -> None:
         self._stage_rest(request_id)
@@ -316,6 +316,29 @@ class Publisher:
         clock = None if self.metrics is None else self.metrics.ending(request_id)
         expires = self._expires.pop(request_id, time.time() + self.settings.request_ttl_s)
         self._staged.endings.append(Ending(request_id, entry, live, expires, clock))
+
+
+def _tokens(group: list[StepOutput]) -> Tokens | None:
+    """The tokens shown of one request's outputs (a stop token is not), as one entry."""
+    shown = [(o, o.token) for o in group if o.token is not None]
+    if not shown:
+        return None
+    first = shown[0][0]
+    logprobs = tuple(o.logprob for o, _ in shown if o.logprob is not None)
+    return Tokens(first.index, tuple(t for _, t in shown),
+                  logprobs if len(logprobs) == len(shown) else None,
+                  None if first.queued_s is None else round(first.queued_s * 1000))
+
+
+def _by_request(outputs: Iterable[StepOutput]) -> list[list[StepOutput]]:
+    """Runs of consecutive outputs of one request, in order."""
+    groups: list[list[StepOutput]] = []
+    for out in outputs:
+        if groups and groups[-1][-1].request_id == out.request_id and groups[-1][-1].finish is None:
+            groups[-1].append(out)
+        else:
+            groups.append([out])
+    return groups
 
 
 def _chunks(items: list[str], size: int = 512) -> list[list[str]]:

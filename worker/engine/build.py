@@ -29,6 +29,7 @@ from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool, budget_bytes
 from worker.engine.linear import check_quantization
 from worker.engine.model_runner import ModelRunner
+from worker.engine.speculation.speculator import SpeculationConfig
 from worker.engine.synthetic import SyntheticRunner
 from worker.engine.threads import ThreadPolicy, usable_cpus
 
@@ -82,9 +83,17 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
         page_size=settings.page_size,
         prefix_caching=settings.prefix_caching,
         threads=threads if device.type == "cpu" else None,
+        speculation=speculation_config(settings),
     )
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids,
                   constraints=build_constraints(info))
+
+
+def speculation_config(settings: WorkerSettings) -> SpeculationConfig:
+    if settings.speculation != "off":
+        log.info("speculative decoding: %s, up to %d draft tokens a request a step",
+                 settings.speculation, settings.speculative_tokens)
+    return SpeculationConfig(settings.speculation, settings.speculative_tokens)
 
 
 def build_constraints(info: ModelInfo) -> Constraints:
@@ -104,5 +113,5 @@ def _synthetic_engine(info: ModelInfo, settings: WorkerSettings, step_s: float) 
     pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
     config = EngineConfig(max_running=settings.batch_limit, max_step_tokens=1 << 20,
                           max_model_len=info.max_model_len, page_size=settings.page_size,
-                          prefix_caching=False)
+                          prefix_caching=False, speculation=speculation_config(settings))
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)

@@ -14,3 +14,12 @@ class Chunk:
     start: int
     pages: Sequence[int]  # the request's page table, covering start + len(tokens)
     sample: bool  # return logits for the last token
+    # ... and, when sampling, for the `logits` last tokens: a speculating request's chunk is
+    # its last sampled token and its draft tokens, each of whose predictions is checked
+    # (worker/engine/speculation/).
+    logits: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows of logits the forward pass returns for this chunk."""
+        return self.logits if self.sample else 0

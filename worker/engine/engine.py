@@ -7,6 +7,11 @@ first masked by its grammar when it has one (`worker.engine.constraint`) and its
 `min_tokens` is not reached. What a token means for its request (a stop, a complete grammar,
 the length limit) is decided here; the scheduler only hears that the request finished.
 
+A decoding request may also carry draft tokens (`worker.engine.speculation`): its chunk returns a
+row of logits per draft too, every row is sampled, and the request emits the drafts that were
+sampled in their place and the token after them, several `StepOutput`s in order, each checked
+as a token of its own (a stop or the length limit ends it there; nothing past it is emitted).
+
 The scheduler is public (`Engine.scheduler`) and the engine does not repeat its interface:
 whoever reads the queue or the KV pool (`Scheduler.stats` for the figures), or finds, aborts or
 drops requests, asks the scheduler itself. The engine's own are what needs the model: admitting
@@ -29,9 +34,15 @@ from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
 from worker.engine.chunk import Chunk
 from worker.engine.constraint import ConstraintError, Constraints, suppress
 from worker.engine.kv_cache import KVPool, KVShape
-from worker.engine.sampler import Row, SamplingError, make_generator, sample
-from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.sampler import Row, Sampled, SamplingError, make_generator, sample
+from worker.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import Sequence
+from worker.engine.speculation import verify
+from worker.engine.speculation.speculator import (
+    NO_SPECULATION,
+    SpeculationConfig,
+    Speculator,
+)
 from worker.engine.threads import ThreadChooser, ThreadPolicy
 
 
@@ -79,6 +90,7 @@ class EngineConfig:
     page_size: int = 16
     prefix_caching: bool = True
     threads: ThreadPolicy | None = None  # CPU threads per step (None: leave torch's setting)
+    speculation: SpeculationConfig = NO_SPECULATION
 
 
 class Engine:
@@ -90,11 +102,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         runner.attach(pool)
         self.pool = pool
+        self.speculator = Speculator(config.speculation)  # its counters: `.stats()`
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=config.max_running, max_step_tokens=config.max_step_tokens,
             num_pages=pool.num_pages, page_size=pool.page_size,
             prefix_caching=config.prefix_caching,
-        ))
+        ), self.speculator if config.speculation.method != "off" else None)
         self.num_generated = 0  # tokens sampled since start (the heartbeat's tokens/s)
         self.generator = torch.Generator(device=runner.device)  # seeded requests have their own
         self.generator.seed()
@@ -162,22 +175,52 @@ class Engine:
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         """Record the plan's KV as computed, then sample a token for every request whose chunk
-        reached its last token; a row whose sampling fails ends that request only."""
+        reached its last token (and one after each of its drafts); a row whose sampling fails
+        ends that request only."""
         self.scheduler.mark_computed(plan)
         sampled = plan.sampled
-        self._mask(logits, sampled)
-        rows = [Row(s.request.params, s.generator, s.tokens, s.num_prompt) for s in sampled]
-        return [self._fail(seq, f"sampling failed: {choice}", "sampling_failed")
-                if isinstance(choice, SamplingError) else self._append(seq, *choice)
-                for seq, choice in zip(sampled, sample(logits, rows, self.generator), strict=True)]
+        rows: list[Row] = []
+        starts: list[int] = []
+        for item in sampled:
+            starts.append(len(rows))
+            rows += verify.rows(item.seq, item.drafts)
+        self._mask(logits, sampled, starts)
+        choices = sample(logits, rows, self.generator)
+        outputs: list[StepOutput] = []
+        for item, lo in zip(sampled, starts, strict=True):
+            outputs += self._emit(item, choices[lo : lo + 1 + len(item.drafts)])
+        return outputs
 
-    def _mask(self, logits: torch.Tensor, sampled: list[Sequence]) -> None:
-        """Grammars and `min_tokens`, on the rows that have them."""
-        suppress(logits, [(i, s.stop_ids) for i, s in enumerate(sampled)
-                          if s.num_output < s.request.params.min_tokens])
+    def _mask(self, logits: torch.Tensor, sampled: list[Scheduled], starts: list[int]) -> None:
+        """Grammars and `min_tokens`, on the rows that have them (a constrained request never
+        drafts: its one row is at its start)."""
+        suppress(logits, [(lo + j, it.seq.stop_ids) for it, lo in zip(sampled, starts, strict=True)
+                          for j in range(len(it.drafts) + 1)
+                          if it.seq.num_output + j < it.seq.request.params.min_tokens])
         if self.constraints is not None:
-            self.constraints.apply(logits, [(i, s.constraint) for i, s in enumerate(sampled)
-                                            if s.constraint is not None])
+            self.constraints.apply(logits, [(lo, it.seq.constraint) for it, lo in
+                                            zip(sampled, starts, strict=True)
+                                            if it.seq.constraint is not None])
+
+    def _emit(self, item: Scheduled, choices: list[Sampled]) -> list[StepOutput]:
+        """`item`'s tokens of the step, in order: the drafts that stand and the token after
+        them, up to a stop or the length limit. Its pages then count the drafts' KV."""
+        seq, drafts = item.seq, item.drafts
+        accepted = verify.accepted(choices, drafts)
+        outputs: list[StepOutput] = []
+        for choice in choices[: accepted + 1]:
+            if isinstance(choice, SamplingError):
+                if not outputs:  # else the drafts before it stand, and its row runs again
+                    outputs.append(self._fail(seq, f"sampling failed: {choice}",
+                                              "sampling_failed"))
+                break
+            outputs.append(self._append(seq, *choice))
+            if outputs[-1].finish is not None or outputs[-1].error is not None:
+                break
+        if outputs[-1].finish is None and outputs[-1].error is None:
+            self.scheduler.accept(seq, len(outputs) - 1)  # all but the last were drafts
+        self.speculator.verified(seq, len(drafts), accepted, len(outputs))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.tokens.append(token)

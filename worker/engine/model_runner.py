@@ -128,8 +128,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Logits, [number of sampling chunks, vocab] in fp32, in chunk order. Prefill chunks
-        (more than one token) come first, then decode chunks (one token each)."""
+        """Logits, [rows, vocab] in fp32: each sampling chunk's `Chunk.rows` last tokens, in
+        chunk order. Multi-token chunks (prefill, or a decode with draft tokens to verify) come
+        first, then decode chunks (one token each)."""
         assert self.pool is not None and self.attention is not None, "attach a KV pool first"
         page_size = self.pool.page_size
         device = self.device
@@ -143,8 +144,7 @@ class ModelRunner:
             for pos in range(chunk.start, chunk.start + n):
                 positions.append(pos)
                 slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
-            if chunk.sample:
-                logit_rows.append(len(ids) - 1)
+            logit_rows.extend(range(len(ids) - chunk.rows, len(ids)))
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         self.ops.prepare(torch.tensor(positions, dtype=torch.long, device=device))
         self.attention.prepare(chunks, torch.tensor(slots, dtype=torch.long, device=device))

@@ -22,9 +22,14 @@ engine is left with running a plan and sampling from its logits.
    it may go first) and takes the page from the cache once computed: requests arriving
    together with a new shared prefix (placement sends them to one worker: api/placement.py)
    compute it once, not once each.
+4. draft tokens for the decoding requests, as the `Proposer` (worker/engine/speculation/) offers
+   them under its budget: each decode chunk then carries its drafts after its token, with
+   pages reserved for them only from what is free beyond one page per running request (a draft
+   never preempts, nor takes the page a decode needs next).
 The engine runs the plan's chunks in one forward pass, then calls `mark_computed` (the chunks'
-KV is now in their pages: full pages are published to the prefix cache) and `finish` for every
-request that ended.
+KV is now in their pages, drafts' excepted: full pages are published to the prefix cache),
+`accept` for the drafts that stood (only then is their KV counted and published; a rejected
+draft's is overwritten by the next step) and `finish` for every request that ended.
 
 Not thread-safe by design: the worker service calls `add`/`abort` only between steps, while
 `schedule` runs on the compute thread; `request_ids`, `tenants` and `stats` are made safe to
@@ -37,7 +42,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.messages import GenerateRequest
 from worker.engine.chunk import Chunk
@@ -68,10 +75,20 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Scheduled:
-    """The next `num_tokens` tokens of `seq` (from its first uncomputed one) run this step."""
+    """The next `num_tokens` tokens of `seq` (from its first uncomputed one) run this step,
+    followed by `drafts`, guesses of the tokens after them, to be verified."""
 
     seq: Sequence
     num_tokens: int
+    drafts: tuple[int, ...] = ()
+
+
+class Proposer(Protocol):
+    """Where draft tokens come from (worker/engine/speculation/speculator.py)."""
+
+    def propose(self, seqs: Seq[Sequence], step_tokens: int) -> list[tuple[int, ...]]:
+        """Drafts for each decoding request of a step already holding `step_tokens`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -89,14 +106,14 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        """Tokens the forward pass runs, drafts included."""
+        return sum(s.num_tokens + len(s.drafts) for s in self.scheduled)
 
     @property
-    def sampled(self) -> list[Sequence]:
+    def sampled(self) -> list[Scheduled]:
         """The requests whose chunk reaches their last token, in the order of the logits' rows
-        (the runner returns logits for those chunks only)."""
-        return [s.seq for s, chunk in zip(self.scheduled, self.chunks, strict=True)
-                if chunk.sample]
+        (the runner returns logits for those chunks only: one row, and one per draft)."""
+        return [s for s, chunk in zip(self.scheduled, self.chunks, strict=True) if chunk.sample]
 
 
 @dataclass(frozen=True)
@@ -119,8 +136,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None) -> None:
         self.config = config
+        self.proposer = proposer
         self.pages = PageManager(config.num_pages, config.page_size,
                                  prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -205,22 +223,37 @@ class Scheduler:
         """This step's batch; its pages are reserved, so the forward pass cannot run out."""
         decodes = self._schedule_decodes()
         prefills = self._schedule_prefills(self.config.max_step_tokens, {id(s) for s, _ in decodes})
-        batch = sorted(prefills + decodes, key=lambda it: it[0].num_computed > 0 and it[1] == 1)
+        drafts = self._schedule_drafts([seq for seq, _ in decodes],
+                                       sum(n for _, n in prefills + decodes))
+        # Multi-token chunks first (a decode with drafts is one); a decode token alone last.
+        batch = sorted((Scheduled(s, n, drafts.get(id(s), ())) for s, n in prefills + decodes),
+                       key=lambda it: it.seq.num_computed > 0 and it.num_tokens + len(it.drafts)
+                       == 1)
         chunks = []
-        for seq, n in batch:
-            end = seq.num_computed + n
-            chunks.append(Chunk(seq.tokens[seq.num_computed : end], seq.num_computed, seq.pages,
-                                sample=end == len(seq.tokens)))
-        return SchedulerOutput(tuple(Scheduled(seq, n) for seq, n in batch), tuple(chunks))
+        for it in batch:
+            seq, end = it.seq, it.seq.num_computed + it.num_tokens
+            chunks.append(Chunk([*seq.tokens[seq.num_computed : end], *it.drafts],
+                                seq.num_computed, seq.pages, sample=end == len(seq.tokens),
+                                logits=1 + len(it.drafts)))
+        return SchedulerOutput(tuple(batch), tuple(chunks))
 
     def mark_computed(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens' KV is in their pages, and every page it
-        filled is published for later prompts that start the same way."""
+        filled is published for later prompts that start the same way. Drafts are not counted
+        (see `accept`)."""
         for item in plan.scheduled:
-            seq = item.seq
-            seq.num_computed += item.num_tokens
-            self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed,
-                               seq.cache_root)
+            self._computed(item.seq, item.num_tokens)
+
+    def accept(self, seq: Sequence, drafts: int) -> None:
+        """The first `drafts` draft tokens of `seq`'s last step stood and are now among its
+        tokens: their KV, written by that step, counts as computed (and may be published)."""
+        assert seq.num_computed + drafts < len(seq.tokens), "a decode's last token stays to run"
+        self._computed(seq, drafts)
+
+    def _computed(self, seq: Sequence, n: int) -> None:
+        seq.num_computed += n
+        self.pages.publish(seq.tokens, seq.pages, seq.page_keys, seq.num_computed,
+                           seq.cache_root)
 
     def finish(self, seq: Sequence) -> None:
         """`seq` ended (finished or failed): it leaves the running set and its pages go back."""
@@ -240,6 +273,23 @@ class Scheduler:
             else:
                 scheduled.append((seq, 1))
         return scheduled
+
+    def _schedule_drafts(self, decodes: list[Sequence], step_tokens: int
+                         ) -> dict[int, tuple[int, ...]]:
+        """Draft tokens per decoding request (by id), as far as their pages can hold them."""
+        if self.proposer is None or not decodes:
+            return {}
+        page_size = self.pages.page_size
+        spare = self.pages.available - len(self.running)  # a page per request stays free
+        drafts: dict[int, tuple[int, ...]] = {}
+        for seq, draft in zip(decodes, self.proposer.propose(decodes, step_tokens), strict=True):
+            room = (len(seq.pages) + max(spare, 0)) * page_size - len(seq.tokens)
+            draft = draft[: max(room, 0)]
+            if draft:
+                spare -= self.pages.pages_for(len(seq.tokens) + len(draft)) - len(seq.pages)
+                self._reserve(seq, len(seq.tokens) + len(draft))
+                drafts[id(seq)] = draft
+        return drafts
 
     def _schedule_prefills(self, budget: int, busy: set[int]) -> list[tuple[Sequence, int]]:
         scheduled: list[tuple[Sequence, int]] = []

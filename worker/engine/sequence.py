@@ -14,6 +14,7 @@ import torch
 
 from shared.messages import GenerateRequest
 from worker.engine.constraint import Constraint
+from worker.engine.speculation.adaptive import Drafting
 
 
 # eq=False: a request is itself only (the scheduler finds and removes it by identity, and two
@@ -34,6 +35,7 @@ class Sequence:
     admitted: bool = False
     admitted_at: float = 0.0  # unix time of its first admission
     constraint: Constraint | None = None  # its grammar's matcher, fed every output token
+    drafting: Drafting | None = None  # its draft index and length, once it speculated
 
     @property
     def num_prompt(self) -> int:

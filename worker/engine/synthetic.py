@@ -2,7 +2,8 @@
 
 `REDSERVE_SYNTHETIC_STEP_MS` makes a worker run the real engine (scheduler, pages, sampler)
 and the real Redis loop around this runner, so broker benchmarks measure Redis and the API
-replicas rather than a CPU-bound model. Every step picks the same token. Never for serving.
+replicas rather than a CPU-bound model. Every row of logits picks the same token (a request
+drafting by prompt lookup then has every draft accepted). Never for serving.
 """
 
 from __future__ import annotations
@@ -34,6 +35,6 @@ class SyntheticRunner:
 
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         time.sleep(self.step_s)
-        logits = torch.zeros(sum(c.sample for c in chunks), self.vocab_size)
+        logits = torch.zeros(sum(c.rows for c in chunks), self.vocab_size)
         logits[:, SYNTHETIC_TOKEN] = 1.0
         return logits
