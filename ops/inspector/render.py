@@ -92,7 +92,8 @@ def _tenants(s: Snapshot) -> Table:
 def _workers(s: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left")
     for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
-                 "prefix pages", "tokens/s", "device", "dtype"):
+                 "prefix pages", "tokens/s", "drafts accepted", "tokens/step", "device",
+                 "dtype"):
         table.add_column(name, justify="left" if name in ("worker", "model", "device", "dtype")
                          else "right", no_wrap=True)
     for w in s.workers:
@@ -101,7 +102,9 @@ def _workers(s: Snapshot) -> Table:
             Text(w.name + (" (draining)" if w.draining else "")), Text(w.model), beat,
             f"{w.running}/{w.capacity}", str(w.waiting),
             f"{w.kv_pages_used}/{w.kv_pages_total}", str(w.kv_pages_free), str(w.prefix_pages),
-            "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}", Text(w.device),
+            "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}",
+            "-" if w.draft_acceptance is None else f"{w.draft_acceptance:.0%}",
+            "-" if w.tokens_per_step is None else f"{w.tokens_per_step:.2f}", Text(w.device),
             Text(w.dtype))
     return table
 

@@ -91,6 +91,8 @@ class WorkerView:
     dtype: str
     draining: bool
     prefix_pages: int = 0  # full pages its prefix cache can serve (what placement sees)
+    draft_acceptance: float | None = None  # speculative decoding since start (None: no drafts)
+    tokens_per_step: float | None = None  # a request's tokens per step (None: no steps yet)
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,11 @@ def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
         running=beat.running, waiting=beat.waiting, capacity=beat.capacity,
         kv_pages_used=beat.pages_used, kv_pages_free=beat.kv_pages_free,
         kv_pages_total=beat.kv_pages_total, tokens_per_s=beat.tokens_per_s, device=beat.device,
-        dtype=beat.dtype, draining=beat.draining, prefix_pages=beat.prefix_pages)
+        dtype=beat.dtype, draining=beat.draining, prefix_pages=beat.prefix_pages,
+        draft_acceptance=(round(beat.draft_tokens_accepted / beat.draft_tokens, 3)
+                          if beat.draft_tokens else None),
+        tokens_per_step=(round(beat.request_step_tokens / beat.request_steps, 2)
+                         if beat.request_steps else None))
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

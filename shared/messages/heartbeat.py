@@ -36,6 +36,11 @@ class Heartbeat:
     draining: bool = False
     prefix_pages: int = 0  # full pages its prefix cache can serve (its `PrefixSummary`)
     prefix_version: int = 0  # changes whenever its prefix summary does
+    # Speculative decoding since start (worker/engine/speculation/speculator.py).
+    draft_tokens: int = 0  # draft tokens verified
+    draft_tokens_accepted: int = 0
+    request_steps: int = 0  # a request's step that emitted tokens, counted per request
+    request_step_tokens: int = 0  # tokens those emitted
 
     @property
     def pages_used(self) -> int:

@@ -4,7 +4,8 @@ Two jobs, as on the API. The leak audit from outside: running and waiting return
 every KV page to the pool (or to the prefix cache, which holds no request). And what an
 operator watches: queue time, time to first token, the gap between a request's tokens and
 end-to-end latency as histograms; the batch, the KV pool and the prefix cache's hit rate as
-gauges; tokens generated, preemptions, finish reasons and aborts by cause as counters.
+gauges; tokens generated, preemptions, finish reasons and aborts by cause as counters; and
+speculative decoding's draft tokens, accepted drafts and tokens per request-step.
 
 Every request timing starts at the request's `created` (unix time, set by the API replica that
 accepted it): queue time ends when the engine schedules its first step, TTFT and the token
@@ -31,6 +32,7 @@ from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
 from worker.engine.engine import Engine
 from worker.engine.scheduler import Admitted, SchedulerStats
+from worker.engine.speculation.speculator import SpeculationStats
 
 log = logging.getLogger("redserve.worker.requests")
 
@@ -90,6 +92,25 @@ class _EngineState(Collector):
         yield CounterMetricFamily("redserve_worker_generated_tokens_total",
                                   "Tokens sampled (rate: output tokens/s)",
                                   value=self.engine.num_generated)
+        yield from _speculation(self.engine.speculator.stats())
+
+
+def _speculation(s: SpeculationStats) -> Iterator[Metric]:
+    """Speculative decoding's counters, and its two ratios since start."""
+    yield CounterMetricFamily("redserve_worker_draft_tokens_total", "Draft tokens verified "
+                              "(speculative decoding)", value=s.proposed)
+    yield CounterMetricFamily("redserve_worker_draft_tokens_accepted_total", "Draft tokens "
+                              "the model agreed with, emitted as drafted", value=s.accepted)
+    yield CounterMetricFamily("redserve_worker_request_steps_total", "Steps that emitted "
+                              "tokens, counted per request", value=s.steps)
+    yield CounterMetricFamily("redserve_worker_request_step_tokens_total", "Tokens those "
+                              "request-steps emitted (over the steps: tokens per step)",
+                              value=s.tokens)
+    yield GaugeMetricFamily("redserve_worker_draft_acceptance_ratio", "Draft tokens accepted "
+                            "over draft tokens verified, since start", value=s.acceptance_rate)
+    yield GaugeMetricFamily("redserve_worker_tokens_per_request_step", "Tokens a request got "
+                            "from one step, on average since start (1 without speculation)",
+                            value=s.tokens_per_step)
 
 
 class WorkerMetrics:
@@ -165,15 +186,20 @@ class WorkerMetrics:
                       worker=self.worker, queue_s=round_s(queue_s), prompt_tokens=prompt,
                       cached_tokens=a.cached, resumed_tokens=a.resumed)
 
-    def published(self, request_ids: Iterable[str], now: float) -> None:
-        """Tokens of these requests were written at `now` (one entry each)."""
-        for request_id in request_ids:
+    def published(self, entries: Iterable[tuple[str, int]], now: float) -> None:
+        """Tokens of these requests were written at `now` (one entry each: its request, and
+        how many tokens it carried)."""
+        for request_id, tokens in entries:
             clock = self._clocks.get(request_id)
             if clock is not None:
-                self._tick(clock, now)
+                self._tick(clock, now, tokens)
 
-    def _tick(self, clock: Clock, now: float) -> None:
-        clock.tokens += 1
+    def _tick(self, clock: Clock, now: float, tokens: int = 1) -> None:
+        """`tokens` arrived together (a speculating request's step): the first after the gap
+        since the last, the others with none."""
+        clock.tokens += tokens
+        for _ in range(tokens - 1):
+            self._itl.observe(0.0)
         if clock.last is not None:
             self._itl.observe(now - clock.last)
         elif clock.queue_s is not None:  # its first token, unless another worker's came first
@@ -186,8 +212,8 @@ class WorkerMetrics:
         return self._clocks.pop(request_id, None)
 
     def ended(self, request_id: str, clock: Clock | None, outcome: str, tokens: int | None,
-              carried_tokens: bool, now: float) -> None:
-        """Its terminal entry is written (`carried_tokens`: with the last tokens): counted
+              carried_tokens: int, now: float) -> None:
+        """Its terminal entry is written (with its step's `carried_tokens` last tokens): counted
         only now, since an ending staged before an outage may be dropped for another worker
         that claimed the request to write (it counts it then)."""
         self.finished.labels(self.model, outcome).inc()
@@ -197,7 +223,7 @@ class WorkerMetrics:
         if clock is None:  # ended before it was admitted here (a queue timeout, say)
             return
         if carried_tokens:
-            self._tick(clock, now)
+            self._tick(clock, now, carried_tokens)
         e2e = max(now - clock.created, 0.0)
         self._e2e.observe(e2e)
         log_event(log, "request.finished", request_id=request_id, model=self.model,

@@ -177,8 +177,8 @@ class Publisher:
             self._failed(staged)
             raise
         if self.metrics is not None:
-            self.metrics.published((request_id for request_id, _ in staged.live),
-                                   time.time())
+            self.metrics.published(((request_id, fields["ids"].count(",") + 1)
+                                    for request_id, fields in staged.live), time.time())
         self._written(staged.endings)
         if batch_now and self._batch:  # what those endings freed, now rather than later
             await self.flush(batch_now=True)
@@ -304,13 +304,14 @@ class Publisher:
             if entry_id is not None:
                 self._batch.acks.append(entry_id)
             if self.metrics is not None:
-                entry = ending.entry
+                entry, live = ending.entry, ending.live
                 if isinstance(entry, Finish):
+                    carried = (len(live.tokens.ids)
+                               if isinstance(live, Finish) and live.tokens is not None else 0)
                     self.metrics.ended(ending.request_id, ending.clock, entry.finish_reason,
-                                       entry.completion_tokens, entry.tokens is not None, now)
+                                       entry.completion_tokens, carried, now)
                 else:
-                    self.metrics.ended(ending.request_id, ending.clock, entry.code, None, False,
-                                       now)
+                    self.metrics.ended(ending.request_id, ending.clock, entry.code, None, 0, now)
 
     def _end(self, request_id: str, entry: Finish | Error, live: Finish | Error) -> None:
         clock = None if self.metrics is None else self.metrics.ending(request_id)

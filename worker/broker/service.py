@@ -93,7 +93,7 @@ class WorkerService:
 
     def _status(self) -> Heartbeat:
         """What this worker knows of itself; the beat adds its time, rate and draining."""
-        stats = self.scheduler.stats()
+        stats, spec = self.scheduler.stats(), self.engine.speculator.stats()
         return Heartbeat(
             model=self.info.name,
             capacity=self.settings.max_running,
@@ -107,6 +107,8 @@ class WorkerService:
             device=str(self.engine.runner.device),
             dtype=dtype_name(self.engine.runner.kv_shape.dtype),
             outbox=self.publisher.backlog,
+            draft_tokens=spec.proposed, draft_tokens_accepted=spec.accepted,
+            request_steps=spec.steps, request_step_tokens=spec.tokens,
         )
 
     async def run(self) -> None:
