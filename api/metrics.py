@@ -205,6 +205,8 @@ class ReplyTimer:
             elif self.ttft_s is None:
                 self.ttft_s = max(now - self.created, 0.0)
                 self._ttft.observe(self.ttft_s)
+            for _ in range(len(entry.ids) - 1):  # came with the first (a speculating step)
+                self._itl.observe(0.0)
             self._last[choice] = now
         elif isinstance(entry, Finish):
             self._tokens[choice] = entry.completion_tokens
