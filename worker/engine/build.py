@@ -29,7 +29,7 @@ from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool, budget_bytes
 from worker.engine.linear import check_quantization
 from worker.engine.model_runner import ModelRunner
-from worker.engine.speculation.speculator import SpeculationConfig
+from worker.engine.speculation.speculator import NO_SPECULATION, SpeculationConfig
 from worker.engine.synthetic import SyntheticRunner
 from worker.engine.threads import ThreadPolicy, usable_cpus
 
@@ -105,7 +105,8 @@ def build_constraints(info: ModelInfo) -> Constraints:
 
 def _synthetic_engine(info: ModelInfo, settings: WorkerSettings, step_s: float) -> Engine:
     # Nothing to parallelise: more threads would only spin between steps and take CPU from
-    # the processes being measured.
+    # the processes being measured. No speculation: the stand-in would accept every draft,
+    # and the broker's figures would no longer compare with a step a token.
     torch.set_num_threads(1)
     vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
     runner = SyntheticRunner(vocab, step_s)
@@ -113,5 +114,5 @@ def _synthetic_engine(info: ModelInfo, settings: WorkerSettings, step_s: float) 
     pool = KVPool(runner.kv_shape, -(-tokens // settings.page_size), settings.page_size)
     config = EngineConfig(max_running=settings.batch_limit, max_step_tokens=1 << 20,
                           max_model_len=info.max_model_len, page_size=settings.page_size,
-                          prefix_caching=False, speculation=speculation_config(settings))
+                          prefix_caching=False, speculation=NO_SPECULATION)
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids)
