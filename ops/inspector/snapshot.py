@@ -91,6 +91,12 @@ class WorkerView:
     dtype: str
     draining: bool
     prefix_pages: int = 0  # full pages its prefix cache can serve (what placement sees)
+    # How it computes, as its heartbeat says ("", None, 0: a worker too old to say).
+    kernels: str = ""
+    batch_invariant: bool | None = None
+    threads_large: int = 0  # CPU threads in steps of at least threads_min_tokens tokens
+    threads_small: int = 0  # in smaller steps
+    threads_min_tokens: int = 0  # 0: no thread policy (a GPU worker) or not said
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,10 @@ def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
         running=beat.running, waiting=beat.waiting, capacity=beat.capacity,
         kv_pages_used=beat.pages_used, kv_pages_free=beat.kv_pages_free,
         kv_pages_total=beat.kv_pages_total, tokens_per_s=beat.tokens_per_s, device=beat.device,
-        dtype=beat.dtype, draining=beat.draining, prefix_pages=beat.prefix_pages)
+        dtype=beat.dtype, draining=beat.draining, prefix_pages=beat.prefix_pages,
+        kernels=beat.kernels, batch_invariant=beat.batch_invariant,
+        threads_large=beat.threads_large, threads_small=beat.threads_small,
+        threads_min_tokens=beat.threads_min_tokens)
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

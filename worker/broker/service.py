@@ -94,6 +94,7 @@ class WorkerService:
     def _status(self) -> Heartbeat:
         """What this worker knows of itself; the beat adds its time, rate and draining."""
         stats = self.scheduler.stats()
+        kernels, threads = self.engine.runner.kernels, self.engine.config.threads
         return Heartbeat(
             model=self.info.name,
             capacity=self.settings.max_running,
@@ -106,6 +107,11 @@ class WorkerService:
             generated_tokens=self.engine.num_generated,
             device=str(self.engine.runner.device),
             dtype=dtype_name(self.engine.runner.kv_shape.dtype),
+            kernels=kernels.name,
+            batch_invariant=kernels.batch_invariant,
+            threads_large=threads.large if threads else 0,
+            threads_small=threads.small if threads else 0,
+            threads_min_tokens=threads.min_tokens if threads else 0,
             outbox=self.publisher.backlog,
         )
 
