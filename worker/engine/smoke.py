@@ -204,7 +204,11 @@ def _run(dtype: torch.dtype, head_dim: int, page_size: int, split_kv: bool) -> N
     if isinstance(library, str):
         _report(failed="loading the library", error=library)
         return
-    checks = _Checks(dtype, head_dim, page_size, split_kv).all()
+    try:
+        checks = _Checks(dtype, head_dim, page_size, split_kv).all()
+    except Exception as e:
+        _report(failed="setting up the checks", error=f"{type(e).__name__}: {e}")
+        return
     fault = DevHooks().kernel_fault()
     if fault is not None and fault[0] not in checks:
         _report(failed="REDSERVE_FAULT_KERNEL", error=f"no check is called {fault[0]!r}")
