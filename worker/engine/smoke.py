@@ -20,10 +20,11 @@ The checks run in a child process (`python -m worker.engine.smoke`), so that a f
 its process (an illegal instruction, a segfault) or hangs is a failed check the worker names and
 steps around rather than its own death. The child announces each check before running it, so a
 death names the check it happened in. It costs the worker's start one interpreter importing
-torch and the library (about 2 s here), once per worker. `worker/engine/kernels.py` acts on the
-result: with `--kernels auto` a failure is one warning and the worker computes with the torch
-kernels; with `--kernels vllm-cpu` or `--batch-invariant` the worker refuses to start, saying
-why. `REDSERVE_FAULT_KERNEL` (worker/engine/dev_hooks.py) makes one check fail, for the tests.
+torch and the library (2 to 4 s on a busy 2-vCPU machine), once per worker.
+`worker/engine/kernels.py` acts on the result: with `--kernels auto` a failure is one warning
+and the worker computes with the torch kernels; with `--kernels vllm-cpu` or
+`--batch-invariant` the worker refuses to start, saying why. `REDSERVE_FAULT_KERNEL`
+(worker/engine/dev_hooks.py) makes one check fail, for the tests.
 """
 
 from __future__ import annotations
