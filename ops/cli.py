@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
 from ops.inspector.cli import add_arguments as add_inspect_arguments
@@ -137,9 +136,6 @@ def run_api(settings: ApiSettings) -> None:
 
 
 def run_worker(settings: WorkerSettings) -> None:
-    # oneDNN keeps a kernel per matmul shape; every batch size a step can take is a shape of
-    # each linear layer, more than its default cache of 1024 holds.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
     _require_redis(settings)
     specs = model_specs(settings)
     if len(specs) > 1:

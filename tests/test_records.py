@@ -75,7 +75,9 @@ def test_a_heartbeat_reads_back_and_an_older_one_gets_defaults(sync_redis: redis
     beat = Heartbeat(model="m", capacity=8, running=3, waiting=1, kv_pages_used=10,
                      kv_pages_free=90, kv_pages_cached=5, kv_pages_total=100,
                      generated_tokens=1234, tokens_per_s=56.5, at=time.time(), device="cpu",
-                     dtype="bfloat16", outbox=0, draining=True)
+                     dtype="bfloat16", kernels="vllm-cpu", batch_invariant=True,
+                     threads=2, decode_threads=1, threads_last=1, outbox=0,
+                     draining=True)
     try:
         sync_redis.set(keys.worker("w"), beat.to_json())
         assert Heartbeat.from_json(sync_redis.get(keys.worker("w")) or b"") == beat
@@ -84,6 +86,9 @@ def test_a_heartbeat_reads_back_and_an_older_one_gets_defaults(sync_redis: redis
     older = Heartbeat.from_json(orjson.dumps({"model": "m", "kv_pages_total": 10,
                                               "kv_pages_free": 4, "running": 2.0}))
     assert (older.running, older.pages_used, older.at, older.tokens_per_s) == (2, 6, None, None)
+    # A worker of an earlier version did not say how it computes: unknown, not "torch".
+    assert (older.kernels, older.batch_invariant, older.threads, older.decode_threads,
+            older.threads_last) == ("", None, 0, 0, 0)
 
 
 @pytest.mark.parametrize(("raw", "problem"), [

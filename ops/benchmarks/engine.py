@@ -16,7 +16,7 @@ bound base + model + KV budget + 250 MiB. `base` is the process's RSS measured j
 engine is built, with torch, transformers and the worker's modules imported (about 390 MiB
 here), which an earlier fixed allowance of 500 MiB for everything beyond model and KV left out;
 the 250 MiB are for a step's activations (512-token prefill chunks, a batch's fp32 logits),
-oneDNN's primitive caches (capped by `worker/engine/build.py`) and what the allocator holds.
+oneDNN's primitive caches (capped by `worker/engine/onednn.py`) and what the allocator holds.
 """
 
 from __future__ import annotations

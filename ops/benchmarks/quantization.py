@@ -37,6 +37,7 @@ from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
+from worker.engine import onednn
 from worker.engine.chunk import Chunk
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
@@ -218,6 +219,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed (speed)")
     ap.add_argument("--threads", type=int, default=usable_cpus(), help="CPU threads (speed)")
     args = ap.parse_args()
+    onednn.cap_caches()  # as a worker's engine is built (before torch builds any primitive)
     console = make_console()
     console.print(describe())
     path = resolve_model(DEFAULT_MODEL, Settings().cache_dir).path

@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ops.inspector.snapshot import LimitView, Snapshot, Unreadable
+from ops.inspector.snapshot import LimitView, Snapshot, Unreadable, WorkerView
 
 STATE_STYLE = {"queued": "yellow", "running": "cyan", "streaming": "green",
                "resumable": "magenta", "cancelling": "red"}
@@ -91,11 +91,10 @@ def _tenants(s: Snapshot) -> Table:
 
 def _workers(s: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left")
+    text = ("worker", "model", "device", "dtype", "kernels", "threads")
     for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
-                 "prefix pages", "tokens/s", "drafts accepted", "tokens/step", "device",
-                 "dtype"):
-        table.add_column(name, justify="left" if name in ("worker", "model", "device", "dtype")
-                         else "right", no_wrap=True)
+                 "prefix pages", "tokens/s", "drafts accepted", "tokens/step", *text[2:]):
+        table.add_column(name, justify="left" if name in text else "right", no_wrap=True)
     for w in s.workers:
         beat = "?" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.1f}s ago"
         table.add_row(
@@ -105,8 +104,21 @@ def _workers(s: Snapshot) -> Table:
             "?" if w.tokens_per_s is None else f"{w.tokens_per_s:.1f}",
             "-" if w.draft_acceptance is None else f"{w.draft_acceptance:.0%}",
             "-" if w.tokens_per_step is None else f"{w.tokens_per_step:.2f}", Text(w.device),
-            Text(w.dtype))
+            Text(w.dtype), Text((w.kernels or "?") + (", batch-invariant"
+                                                       if w.batch_invariant else "")),
+            _threads(w))
     return table
+
+
+def _threads(w: WorkerView) -> str:
+    """The thread policy (worker/engine/threads.py): `up to 2, measured (now 1)`, or `up to 2,
+    1 in decode steps` where the operator pinned the count of steps under 256 tokens."""
+    if not w.threads:
+        return "-" if w.kernels else "?"  # no policy (a GPU worker), or a worker too old to say
+    if w.decode_threads:
+        return f"up to {w.threads}, {w.decode_threads} in decode steps"
+    return f"up to {w.threads}, measured" + (f" (now {w.threads_last})" if w.threads_last
+                                             else "")
 
 
 def _limits(limits: tuple[LimitView, ...]) -> Table:

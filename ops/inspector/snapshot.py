@@ -93,6 +93,12 @@ class WorkerView:
     prefix_pages: int = 0  # full pages its prefix cache can serve (what placement sees)
     draft_acceptance: float | None = None  # speculative decoding since start (None: no drafts)
     tokens_per_step: float | None = None  # a request's tokens per step (None: no steps yet)
+    # How it computes, as its heartbeat says ("", None, 0: a worker too old to say).
+    kernels: str = ""
+    batch_invariant: bool | None = None
+    threads: int = 0  # the most CPU threads a step uses (0: none apply, a GPU worker; or not said)
+    decode_threads: int = 0  # pinned in steps under 256 tokens (0: chosen by measurement)
+    threads_last: int = 0  # those of its latest step
 
 
 @dataclass(frozen=True)
@@ -275,7 +281,9 @@ def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
         draft_acceptance=(round(beat.draft_tokens_accepted / beat.draft_tokens, 3)
                           if beat.draft_tokens else None),
         tokens_per_step=(round(beat.request_step_tokens / beat.request_steps, 2)
-                         if beat.request_steps else None))
+                         if beat.request_steps else None),
+        kernels=beat.kernels, batch_invariant=beat.batch_invariant, threads=beat.threads,
+        decode_threads=beat.decode_threads, threads_last=beat.threads_last)
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

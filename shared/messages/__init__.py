@@ -33,7 +33,7 @@ A worker's prefix summary (`PrefixSummary`): the public digests of its cached pa
 
 from __future__ import annotations
 
-from shared.messages.heartbeat import Heartbeat
+from shared.messages.heartbeat import Heartbeat, KernelSet
 from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
 from shared.messages.placement import PrefixSummary
 from shared.messages.queue import QueueMember, ServiceCounters
@@ -59,7 +59,8 @@ from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
     "BUCKET_TTL_MS", "FEED_RETENTION_S", "WINDOW_MS", "Bucket", "BucketField",
-    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "PrefixSummary",
+    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "KernelSet",
+    "PrefixSummary",
     "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
     "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",
     "decode_result", "expand", "feed_fields", "feed_marker", "feed_min_id", "feed_payload",

@@ -6,11 +6,16 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from shared.messages.state import as_text
+
+# The kernel sets a worker names in its heartbeat (worker/engine/kernels.py): "synthetic" is the
+# benchmark-only stand-in for a model. Read back as any string: a newer worker may name one this
+# reader does not know.
+KernelSet = Literal["vllm-cpu", "torch", "synthetic"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,13 @@ class Heartbeat:
     at: float | None = None  # unix time of the beat: its age needs no knowledge of the TTL
     device: str = ""
     dtype: str = ""
+    # How it computes (worker/engine/kernels.py, worker/engine/threads.py); "", None and 0: a
+    # worker of an earlier version, which did not say.
+    kernels: str = ""  # a `KernelSet`
+    batch_invariant: bool | None = None
+    threads: int = 0  # the most CPU threads a step uses; 0 also where none apply: a GPU worker
+    decode_threads: int = 0  # pinned in steps under 256 tokens; 0: chosen by measurement
+    threads_last: int = 0  # the threads of its latest step
     outbox: int = 0  # terminal entries waiting for Redis to come back
     draining: bool = False
     prefix_pages: int = 0  # full pages its prefix cache can serve (its `PrefixSummary`)
@@ -69,7 +81,7 @@ class Heartbeat:
                     raise ValueError(f"heartbeat field {f.name!r} is not a number: {value!r}")
                 value = int(value) if kind in (int, int | None) else value
             else:
-                value = bool(value) if kind is bool else str(value)
+                value = bool(value) if kind in (bool, bool | None) else str(value)
             values[f.name] = value
         return cls(**values)
 

@@ -94,6 +94,7 @@ class WorkerService:
     def _status(self) -> Heartbeat:
         """What this worker knows of itself; the beat adds its time, rate and draining."""
         stats, spec = self.scheduler.stats(), self.engine.speculator.stats()
+        kernels, threads = self.engine.runner.kernels, self.engine.threads
         return Heartbeat(
             model=self.info.name,
             capacity=self.settings.max_running,
@@ -106,6 +107,11 @@ class WorkerService:
             generated_tokens=self.engine.num_generated,
             device=str(self.engine.runner.device),
             dtype=dtype_name(self.engine.runner.kv_shape.dtype),
+            kernels=kernels.name,
+            batch_invariant=kernels.batch_invariant,
+            threads=threads.policy.most if threads else 0,
+            decode_threads=threads.policy.decode if threads else 0,
+            threads_last=threads.last if threads else 0,
             outbox=self.publisher.backlog,
             draft_tokens=spec.proposed, draft_tokens_accepted=spec.accepted,
             request_steps=spec.steps, request_step_tokens=spec.tokens,

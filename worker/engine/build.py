@@ -1,19 +1,12 @@
 """From settings to an engine: device, dtype, kernels, threads, model, KV pool, scheduler
 limits.
 
-On CPU, oneDNN's primitive caches are capped first. oneDNN keeps every primitive it builds
-(1,024 by default, and torch's ideep a cache of its own in front), one per linear shape per
-token count, each holding memory in proportion to its weight: 472 token counts through the
-default model's four decoder shapes grew a worker's RSS by 1,818 MiB, and a worker meets a new
-token count with nearly every new mix of prefill and decode. A step runs five shapes at one
-token count, so 16 entries serve steady decode with no more misses (19 in both a
-prefill-and-decode run and the default) and the growth stops (62 MiB over the same 472 counts).
+oneDNN's primitive caches are capped first, before torch builds any (`worker/engine/onednn.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import orjson
 import torch
@@ -21,7 +14,7 @@ from transformers import AutoTokenizer
 
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
-from worker.engine import checkpoint
+from worker.engine import checkpoint, onednn
 from worker.engine.constraint import Constraints
 from worker.engine.dev_hooks import DevHooks
 from worker.engine.dtype import dtype_name, pick_dtype
@@ -35,14 +28,6 @@ from worker.engine.threads import ThreadPolicy, usable_cpus
 
 log = logging.getLogger("redserve.worker")
 
-ONEDNN_CACHE_ENTRIES = 16
-
-
-def _cap_onednn_caches() -> None:
-    """Read when oneDNN builds its first primitive: call before that (see the docstring)."""
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
-
 
 def pick_device(setting: str) -> torch.device:
     if setting == "auto":
@@ -51,6 +36,7 @@ def pick_device(setting: str) -> torch.device:
 
 
 def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
+    caches = onednn.cap_caches()
     synthetic_step_ms = DevHooks().synthetic_step_ms
     if synthetic_step_ms:
         return _synthetic_engine(info, settings, synthetic_step_ms / 1000)
@@ -60,7 +46,7 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
     threads = ThreadPolicy(settings.threads or usable_cpus(), settings.decode_threads)
     if device.type == "cpu":
         log.info("CPU threads: %s", threads.describe())
-        _cap_onednn_caches()
+        log.info("oneDNN primitive caches: %s", ", ".join(f"{k}={v}" for k, v in caches.items()))
     check_quantization(settings.quantization, dtype, device)  # before the slow load
     runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,
                          kernels=settings.kernels, batch_invariant=settings.batch_invariant,

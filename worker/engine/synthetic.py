@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from worker.engine.chunk import Chunk
+from worker.engine.kernels import Kernels
 from worker.engine.kv_cache import KVPool, KVShape
 
 SYNTHETIC_TOKEN = 100
@@ -25,6 +26,7 @@ class SyntheticRunner:
         self.step_s = step_s
         self.kv_shape = KVShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
                                 device=torch.device("cpu"))
+        self.kernels = Kernels("synthetic", False, "REDSERVE_SYNTHETIC_STEP_MS: no model")
 
     @property
     def device(self) -> torch.device:

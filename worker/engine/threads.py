@@ -84,6 +84,7 @@ class ThreadChooser:
 
     def __init__(self, policy: ThreadPolicy) -> None:
         self.policy = policy
+        self.last = 0  # the count of the latest step (the heartbeat's)
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, num_tokens: int) -> int:
@@ -105,7 +106,7 @@ class ThreadChooser:
         return others[bucket.explored % len(others)]
 
     def apply(self, num_tokens: int) -> int:
-        threads = self.choose(num_tokens)
+        threads = self.last = self.choose(num_tokens)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return threads

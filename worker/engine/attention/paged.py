@@ -19,6 +19,7 @@ split; the batch-invariant mode turns it off.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -32,9 +33,18 @@ HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what the kern
 def kernel_isa(dtype: torch.dtype, page_size: int) -> str | None:
     """The kernel variant for pages of `page_size` tokens, or None where it has none."""
     if page_size % 32 == 0:
-        amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and _amx_allowed()
         return "amx" if amx else "vec"
     return "vec16" if page_size % 16 == 0 else None
+
+
+@functools.cache
+def _amx_allowed() -> bool:
+    """Ask Linux for the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM), which a process may use
+    only once it asked: oneDNN asks on its first bf16 multiply, so a process whose first AMX
+    instruction was this kernel's died of SIGILL (the smoke test's child found it:
+    worker/engine/smoke.py). Refused, the kernel's AVX512 variant runs instead."""
+    return bool(torch._C._cpu._init_amx())
 
 
 class PagedAttention:
