@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.messages import SamplingParams
+from worker.engine import nucleus
 from worker.engine.sampler import Row, SamplingError, make_generator, sample
 
 
@@ -119,3 +120,39 @@ def test_a_mixed_batch_samples_each_row_under_its_own_parameters() -> None:
     batched = sample(flat, [Row(other, None, (1,), 1),
                             Row(seeded, make_generator(seeded, torch.device("cpu")), (1,), 1)])
     assert alone[0] == batched[1]
+
+
+def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> None:
+    # Peaked rows (a few candidates), wide ones (the later floors, or the whole row), ties, a
+    # vocabulary that is not a multiple of the block, top-k zeros and min-p: for the same
+    # uniform numbers, the tokens drawn among the candidates are those of the whole row.
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5003
+    logits = torch.randn(8, vocab, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0],
+                                                                  [0.3], [0.0], [3.0], [5.0]])
+    logits = logits.bfloat16().float()  # rounded as a bf16 model's are: many equal values
+    probs = torch.softmax(logits, dim=-1)
+    probs[6, probs[6] < probs[6].topk(40).values[-1]] = 0.0  # a row cut to its top 40
+    probs[6] /= probs[6].sum()
+    top_k_cut = torch.tensor([False] * 6 + [True, False])
+    for top_p, min_p in ((0.9, 0.0), (0.99, 0.0), (0.3, 0.0), (1e-30, 0.0), (1.0, 0.05),
+                         (0.95, 0.01), (1.0, 0.0)):
+        tp = torch.full((8,), top_p)
+        mp = torch.full((8,), min_p)
+        for u in torch.linspace(0, 1, 41)[:-1].tolist():
+            uniform = torch.full((8, 1), u)
+            whole = nucleus._cut_and_draw(probs, None, tp, mp, uniform)[0]
+            assert torch.equal(nucleus.draw(probs, tp, mp, top_k_cut, uniform), whole)
+
+
+def test_equal_probabilities_rank_in_vocabulary_order() -> None:
+    # Four tokens of 0.25: top-p 0.5 keeps the first two, alone or beside a wide row.
+    p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5)
+    alone = {t for t, _ in sample(torch.zeros(64, 4), [Row(p, None, (), 0)] * 64)}  # type: ignore[misc]
+    assert alone == {0, 1}
+    logits = torch.zeros(2, 50_000)
+    logits[0, 4:] = float("-inf")
+    wide = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.99)
+    for _ in range(20):
+        token, _ = sample(logits, [Row(p, None, (), 0), Row(wide, None, (), 0)])[0]  # type: ignore[misc]
+        assert token in (0, 1)
