@@ -123,9 +123,9 @@ def test_a_mixed_batch_samples_each_row_under_its_own_parameters() -> None:
 
 
 def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> None:
-    # Peaked rows (a few candidates), wide ones (the later floors, or the whole row), ties, a
-    # vocabulary that is not a multiple of the block, top-k zeros and min-p: for the same
-    # uniform numbers, the tokens drawn among the candidates are those of the whole row.
+    # Peaked rows (a few candidates), wide ones (the later floors), ties, a vocabulary that is
+    # not a multiple of the block, top-k zeros and min-p: for the same uniform numbers, the
+    # tokens drawn among the candidates are those of the whole row.
     gen = torch.Generator().manual_seed(0)
     vocab = 5003
     logits = torch.randn(8, vocab, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0],
@@ -135,8 +135,9 @@ def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> No
     probs[6, probs[6] < probs[6].topk(40).values[-1]] = 0.0  # a row cut to its top 40
     probs[6] /= probs[6].sum()
     top_k_cut = torch.tensor([False] * 6 + [True, False])
-    for top_p, min_p in ((0.9, 0.0), (0.99, 0.0), (0.3, 0.0), (1e-30, 0.0), (1.0, 0.05),
-                         (0.95, 0.01), (1.0, 0.0)):
+    # top-p 0.9999999 leaves a row to the whole vocabulary after the last floor (by rounding).
+    for top_p, min_p in ((0.9, 0.0), (0.99, 0.0), (0.9999999, 0.0), (0.3, 0.0), (1e-30, 0.0),
+                         (1.0, 0.05), (0.95, 0.01), (1.0, 0.0)):
         tp = torch.full((8,), top_p)
         mp = torch.full((8,), min_p)
         for u in torch.linspace(0, 1, 41)[:-1].tolist():

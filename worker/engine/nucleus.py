@@ -17,10 +17,10 @@ The candidates hold everything a row can draw when one of its rules leaves nothi
 `tau`: min-p (`tau` is then its threshold), top-k (the probabilities below the k-th are zero,
 `tau` is then the least positive float), or top-p when the candidates hold at least top_p of
 the mass, checked as before on their ranked cumulative sum. For top-p, `tau` is (1 - top_p)
-times each of `TOP_P_FLOORS` in turn, for the rows whose candidates held too little; below the
-last, the tokens left out hold at most V / 65536 of 1 - top_p, so a row fails there only with
-a vocabulary over 65,536 or by rounding, and is then cut over its whole vocabulary, as is the
-draw of a row with no rule (temperature alone).
+times each of `TOP_P_FLOORS` in turn, for the rows whose candidates held too little, then
+(1 - top_p) / (2 x vocab): below that the tokens left out hold at most half of 1 - top_p, so a
+row fails there only by rounding, and is then cut over its whole vocabulary, as is the draw of
+a row with no rule (temperature alone).
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 BLOCK = 64  # tokens whose maximum is taken together when looking for candidates
-# A top-p row's candidate floors, in shares of 1 - top_p: on 32 rows of SmolLM2's logits at
-# temperature 0.8 and top-p 0.9, the first keeps the widest row to about 150 candidates (the
-# sort among them is what grows with their number) and leaves three rows to the next ones.
-TOP_P_FLOORS = (1 / 128, 1 / 1024, 1 / 8192, 1 / 65536)
+# A top-p row's candidate floors, in shares of 1 - top_p, before the last, 1 / (2 x vocab): on
+# 32 rows of SmolLM2's logits at temperature 0.8 and top-p 0.9 (the step benchmark's), the
+# first gathers 368 candidates in the widest row and every row's hold top_p. A higher first
+# floor leaves rows to a second gathering, which costs about as much as the first; a lower one
+# gathers and sorts more candidates.
+TOP_P_FLOORS = (1 / 512, 1 / 4096, 1 / 32768)
 
 
 def draw(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -51,7 +53,8 @@ def draw(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
         floor = (min_p * peak).maximum(top_k_cut * torch.finfo(probs.dtype).tiny
                                        * torch.finfo(probs.dtype).eps)  # the least float > 0
         tail = torch.where(top_p < 1, 1 - top_p, 0.0)
-        for share in TOP_P_FLOORS:
+        vocab = probs.shape[-1]
+        for share in [*(f for f in TOP_P_FLOORS if f > 0.5 / vocab), 0.5 / vocab]:
             tau = (tail[todo] * share).maximum(floor[todo]).minimum(peak[todo])
             probs_c, tokens = _candidates(blocks, peaks, todo, tau)
             got, whole = _cut_and_draw(probs_c, tokens, top_p[todo], min_p[todo], uniform[todo])
