@@ -68,6 +68,11 @@ def test_extreme_parameters_stay_finite() -> None:
         if logprob is not None:
             chosen, top = logprob  # type: ignore[misc]
             assert all(math.isfinite(v) and v >= -9999.0 for v in [chosen, *(lp for _, lp in top)])
+    # Clamped back into range, the three penalised logits tie, and overflow again when divided
+    # by the temperature: clamped again, they still tie.
+    draws = {_one(logits, prompt=(1, 2, 0), repetition_penalty=1e-300, temperature=0.5,
+                  top_p=0.9, seed=s)[0] for s in range(30)}
+    assert draws == {0, 1, 2}
     # A temperature below 1e-5 is greedy, as in vLLM.
     assert {_one(logits, temperature=1e-9, seed=s)[0] for s in range(10)} == {1}
 

@@ -96,17 +96,20 @@ def sample(logits: torch.Tensor, rows: Sequence[Row],
     if not bool(torch.isfinite(best).all()):
         scores = _finite(scores, errors)
         if greedy:
-            tokens = scores.max(dim=-1).indices
+            best, tokens = scores.max(dim=-1)
+        else:
+            best = scores.amax(dim=-1)
     draw = [i for i, row in enumerate(rows) if not is_greedy(row.params) and i not in errors]
     if draw:
         try:
             some = scores if len(draw) == len(rows) else scores[draw]
-            tokens[draw] = _draw_rows(some, [rows[i] for i in draw], generator)
+            tokens[draw] = _draw_rows(some, best[draw], [rows[i] for i in draw], generator)
         except Exception:  # a bug or a bad parameter: find the row, spare the others
             log.exception("sampling failed for the batch; drawing row by row")
             for i in draw:
                 try:
-                    tokens[i] = _draw_rows(scores[i : i + 1], [rows[i]], generator)[0]
+                    tokens[i] = _draw_rows(scores[i : i + 1], best[i : i + 1], [rows[i]],
+                                           generator)[0]
                 except Exception:
                     errors[i] = SamplingError("the sampler could not draw a token under this "
                                               "request's parameters")
@@ -143,15 +146,21 @@ def _finite(scores: torch.Tensor, errors: dict[int, SamplingError]) -> torch.Ten
     return scores
 
 
-def _draw_rows(scores: torch.Tensor, rows: list[Row],
+def _draw_rows(scores: torch.Tensor, best: torch.Tensor, rows: list[Row],
                generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row, each under its own temperature, top-k, top-p and min-p."""
+    """One token per row, each under its own temperature, top-k, top-p and min-p; `best` is
+    each row's largest score."""
     p = [row.params for row in rows]
     device = scores.device
     temperature = torch.tensor([x.temperature for x in p], dtype=scores.dtype,
                                device=device)[:, None]
-    # Dividing can overflow again (a clamped logit over a small temperature).
-    scores = (scores / temperature).nan_to_num_(posinf=torch.finfo(scores.dtype).max)
+    # Dividing can overflow again (a clamped logit over a small temperature): the rows' largest
+    # scores tell, without a pass of their own. A score that overflows to -inf alone changes
+    # nothing: below a finite maximum not near the float's least value, its exp is 0 either way.
+    scores = scores / temperature
+    top = best / temperature[:, 0]
+    if not bool(((top < float("inf")) & (top > torch.finfo(scores.dtype).min / 2)).all()):
+        scores = scores.nan_to_num_(posinf=torch.finfo(scores.dtype).max)
     vocab = scores.shape[-1]
     top_k = [x.top_k if 0 < x.top_k < vocab else 0 for x in p]
     if any(top_k):
