@@ -139,7 +139,7 @@ def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> No
     probs = torch.softmax(logits, dim=-1)
     probs[6, probs[6] < probs[6].topk(40).values[-1]] = 0.0  # a row cut to its top 40
     probs[6] /= probs[6].sum()
-    top_k_cut = torch.tensor([False] * 6 + [True, False])
+    top_k_cut = [False] * 6 + [True, False]
     # top-p 0.9999999 leaves a row to the whole vocabulary after the last floor (by rounding).
     for top_p, min_p in ((0.9, 0.0), (0.99, 0.0), (0.9999999, 0.0), (0.3, 0.0), (1e-30, 0.0),
                          (1.0, 0.05), (0.95, 0.01), (1.0, 0.0)):
@@ -148,7 +148,8 @@ def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> No
         for u in torch.linspace(0, 1, 41)[:-1].tolist():
             uniform = torch.full((8, 1), u)
             whole = nucleus._cut_and_draw(probs, None, tp, mp, uniform)[0]
-            assert torch.equal(nucleus.draw(probs, tp, mp, top_k_cut, uniform), whole)
+            drawn = nucleus.draw(probs, [top_p] * 8, [min_p] * 8, top_k_cut, uniform)
+            assert torch.equal(drawn, whole)
 
 
 def test_equal_probabilities_rank_in_vocabulary_order() -> None:

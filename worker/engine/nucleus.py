@@ -25,6 +25,8 @@ a row with no rule (temperature alone).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -37,37 +39,81 @@ BLOCK = 64  # tokens whose maximum is taken together when looking for candidates
 TOP_P_FLOORS = (1 / 512, 1 / 4096, 1 / 32768)
 
 
-def draw(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-         top_k_cut: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token for each row of `probs` [n, vocab]: `top_p`, `min_p` [n] (1 and 0 where a row
-    has none), `top_k_cut` [n] (its probabilities are zero below its k-th token), `uniform`
-    [n, 1] the number its inverse CDF is read at."""
-    token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    narrow = (top_p < 1) | (min_p > 0) | top_k_cut
-    todo = narrow.nonzero()[:, 0]
-    if len(todo):
-        blocks = _blocks(probs)
-        peaks = blocks.amax(dim=-1)
-        peak = peaks.amax(dim=-1)
-        # Below `floor` a row draws nothing whatever its top-p cut.
-        floor = (min_p * peak).maximum(top_k_cut * torch.finfo(probs.dtype).tiny
-                                       * torch.finfo(probs.dtype).eps)  # the least float > 0
-        tail = torch.where(top_p < 1, 1 - top_p, 0.0)
-        vocab = probs.shape[-1]
-        for share in [*(f for f in TOP_P_FLOORS if f > 0.5 / vocab), 0.5 / vocab]:
-            tau = (tail[todo] * share).maximum(floor[todo]).minimum(peak[todo])
-            probs_c, tokens = _candidates(blocks, peaks, todo, tau)
-            got, whole = _cut_and_draw(probs_c, tokens, top_p[todo], min_p[todo], uniform[todo])
-            fits = whole | (tau <= floor[todo]) & (floor[todo] > 0)
-            token[todo[fits]] = got[fits]
-            todo = todo[~fits]
-            if not len(todo):
-                break
-    full = torch.cat([(~narrow).nonzero()[:, 0], todo])
-    if len(full):
-        some = probs if len(full) == len(probs) else probs[full]
-        token[full] = _cut_and_draw(some, None, top_p[full], min_p[full], uniform[full])[0]
+def draw(probs: torch.Tensor, top_p: Sequence[float], min_p: Sequence[float],
+         top_k_cut: Sequence[bool], uniform: torch.Tensor) -> torch.Tensor:
+    """One token for each row of `probs` [n, vocab] under its `top_p` (1 for none), `min_p` (0
+    for none) and `top_k_cut` (its probabilities are zero below its k-th token); `uniform`
+    [n, 1] holds the number each row's inverse CDF is read at."""
+    n = probs.shape[0]
+    narrow = [i for i in range(n) if top_p[i] < 1 or min_p[i] > 0 or top_k_cut[i]]
+    if len(narrow) == n:  # the usual batch: nothing to pick out
+        token, left = _draw_narrow(probs, None, top_p, min_p, top_k_cut, uniform)
+    else:
+        token = torch.empty(n, dtype=torch.long, device=probs.device)
+        left = [i for i in range(n) if i not in set(narrow)]
+        if narrow:
+            rows = torch.tensor(narrow, device=probs.device)
+            token[rows], more = _draw_narrow(
+                probs, rows, [top_p[i] for i in narrow], [min_p[i] for i in narrow],
+                [top_k_cut[i] for i in narrow], uniform[rows])
+            left += more
+    if left:
+        some = probs if len(left) == n else probs[left]
+        token[left] = _cut_and_draw(some, None, _tensor([top_p[i] for i in left], probs),
+                                    _tensor([min_p[i] for i in left], probs), uniform[left])[0]
     return token
+
+
+def _draw_narrow(probs: torch.Tensor, rows: torch.Tensor | None, top_p: Sequence[float],
+                 min_p: Sequence[float], top_k_cut: Sequence[bool], uniform: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """The tokens drawn among the candidates of `rows` of `probs` (all when None), and the
+    rows of `probs` that no floor fitted (their tokens here are meaningless)."""
+    vocab = probs.shape[-1]
+    blocks = _blocks(probs)
+    peaks = blocks.amax(dim=-1)
+    if rows is not None:
+        peaks = peaks[rows]
+    peak = peaks.amax(dim=-1)
+    top_p_t, min_p_t = _tensor(top_p, probs), _tensor(min_p, probs)
+    tail = _tensor([1 - p if p < 1 else 0.0 for p in top_p], probs)
+    # Below `floor` a row draws nothing whatever its top-p cut: min-p's threshold, or the
+    # least float above 0 where top-k zeroed the rest.
+    floor = None
+    if any(min_p) or any(top_k_cut):
+        least = torch.finfo(probs.dtype).tiny * torch.finfo(probs.dtype).eps
+        floor = (min_p_t * peak).maximum(_tensor([least if k else 0.0 for k in top_k_cut],
+                                                 probs))
+    token = torch.empty(len(top_p), dtype=torch.long, device=probs.device)
+    todo = torch.arange(len(top_p), device=probs.device)  # by rank in `rows`
+    first = True  # `todo` is every row: the per-row tensors are taken as they are
+    for share in [*(f for f in TOP_P_FLOORS if f > 0.5 / vocab), 0.5 / vocab]:
+        sel = None if first else todo
+        tau = _take(tail, sel) * share
+        if floor is not None:
+            tau = tau.maximum(_take(floor, sel))
+        tau = tau.minimum(_take(peak, sel))
+        index = todo if rows is None else _take(rows, sel)  # of the rows in `probs`
+        probs_c, tokens = _candidates(blocks, _take(peaks, sel), index, tau)
+        got, fits = _cut_and_draw(probs_c, tokens, _take(top_p_t, sel), _take(min_p_t, sel),
+                                  _take(uniform, sel))
+        if floor is not None:
+            fits |= (tau <= _take(floor, sel)) & (_take(floor, sel) > 0)
+        if first and bool(fits.all()):
+            return got, []
+        token[todo[fits]] = got[fits]
+        todo, first = todo[~fits], False
+        if not len(todo):
+            return token, []
+    return token, (todo if rows is None else rows[todo]).tolist()
+
+
+def _tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _take(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return values if rows is None else values[rows]
 
 
 def _blocks(probs: torch.Tensor) -> torch.Tensor:
@@ -81,8 +127,8 @@ def _blocks(probs: torch.Tensor) -> torch.Tensor:
 def _candidates(blocks: torch.Tensor, peaks: torch.Tensor, rows: torch.Tensor,
                 tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The probabilities of `rows`' tokens that reach their `tau` (> 0), in vocabulary order and
-    zero after each row's own ([len(rows), widest]), and their tokens."""
-    rank, block = (peaks[rows] >= tau[:, None]).nonzero(as_tuple=True)
+    zero after each row's own ([len(rows), widest]), and their tokens; `peaks` are the rows'."""
+    rank, block = (peaks >= tau[:, None]).nonzero(as_tuple=True)
     p = blocks[rows[rank], block]
     i, j = (p >= tau[rank][:, None]).nonzero(as_tuple=True)
     rank = rank[i]
@@ -130,7 +176,8 @@ def _ranked(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if probs.device.type != "cpu" or probs.dtype != torch.float32:
         return torch.sort(probs, dim=-1, descending=True, stable=True)
     # A non-negative float's bits order as the float does; negated, the largest sorts first.
-    columns = torch.arange(probs.shape[-1])
-    keys = (-probs.view(torch.int32).long() << 32) | columns
-    keys = torch.from_numpy(np.sort(keys.numpy(), axis=-1))
-    return (-(keys >> 32)).int().view(torch.float32), keys & 0xFFFFFFFF
+    keys = np.negative(probs.numpy().view(np.int32), dtype=np.int64) << 32
+    keys |= np.arange(probs.shape[-1])
+    keys.sort(axis=-1)
+    ranked = np.negative(keys >> 32).astype(np.int32).view(np.float32)
+    return torch.from_numpy(ranked), torch.from_numpy(keys & 0xFFFFFFFF)

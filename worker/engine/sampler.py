@@ -178,10 +178,8 @@ def _draw_rows(scores: torch.Tensor, best: torch.Tensor, rows: list[Row],
                                                  len(row.tokens) - row.num_prompt))
             uniform[j] = torch.rand(1, generator=row.generator, device=device,
                                     dtype=probs.dtype)
-    return nucleus.draw(
-        probs, torch.tensor([x.top_p for x in p], dtype=probs.dtype, device=device),
-        torch.tensor([x.min_p for x in p], dtype=probs.dtype, device=device),
-        torch.tensor([k > 0 for k in top_k], device=device), uniform)
+    return nucleus.draw(probs, [x.top_p for x in p], [x.min_p for x in p],
+                        [k > 0 for k in top_k], uniform)
 
 
 def _logprobs(scores: torch.Tensor, rows: Sequence[Row], tokens: torch.Tensor,
