@@ -50,7 +50,8 @@ def draw(probs: torch.Tensor, top_p: Sequence[float], min_p: Sequence[float],
         token, left = _draw_narrow(probs, None, top_p, min_p, top_k_cut, uniform)
     else:
         token = torch.empty(n, dtype=torch.long, device=probs.device)
-        left = [i for i in range(n) if i not in set(narrow)]
+        cut = set(narrow)
+        left = [i for i in range(n) if i not in cut]
         if narrow:
             rows = torch.tensor(narrow, device=probs.device)
             token[rows], more = _draw_narrow(
