@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "worker":
         run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", "device",
                                  "dtype", "kernels", "batch_invariant", "quantization",
-                                 "threads", "decode_threads", "max_running", "queue_policy",
-                                 "kv_cache_memory", "page_size", "max_prefill_tokens",
-                                 "worker_name", "metrics_port"))
+                                 "kv_cache_dtype", "threads", "decode_threads", "max_running",
+                                 "queue_policy", "kv_cache_memory", "page_size",
+                                 "max_prefill_tokens", "worker_name", "metrics_port"))
     elif args.command == "inspect":
         from ops.inspector.cli import run as run_inspect
 

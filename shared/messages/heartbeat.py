@@ -32,6 +32,7 @@ class Heartbeat:
     at: float | None = None  # unix time of the beat: its age needs no knowledge of the TTL
     device: str = ""
     dtype: str = ""
+    kv_dtype: str = ""  # what its KV cache stores: the compute dtype, or fp8_e4m3
     outbox: int = 0  # terminal entries waiting for Redis to come back
     draining: bool = False
     prefix_pages: int = 0  # full pages its prefix cache can serve (its `PrefixSummary`)

@@ -106,6 +106,7 @@ class WorkerService:
             generated_tokens=self.engine.num_generated,
             device=str(self.engine.runner.device),
             dtype=dtype_name(self.engine.runner.kv_shape.dtype),
+            kv_dtype=self.engine.runner.kv_shape.storage_name,
             outbox=self.publisher.backlog,
         )
 
