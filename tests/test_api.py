@@ -35,6 +35,7 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI) -> None:
     # The worker chose its dtype as `auto` does on this machine, and says so.
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))
     assert (worker["model"], worker["device"], worker["dtype"]) == (MODEL, "cpu", auto)
+    assert worker["kv_dtype"] == auto  # its KV in the compute dtype: --kv-cache-dtype auto
     assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {
         "status": "ok", "workers": 1, "models": {MODEL: 1}}
 

@@ -104,8 +104,9 @@ def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 
 def check_kv_cache_dtype(setting: KVCacheDtype, kernels: Kernels, *, head_dim: int,
-                         page_size: int) -> None:
-    """KernelsUnavailable where the KV cache cannot be stored as `setting` (see the docstring)."""
+                         page_size: int, flags: frozenset[str] | None = None) -> None:
+    """KernelsUnavailable where the KV cache cannot be stored as `setting` (see the docstring);
+    `flags`: the CPU's, read from the machine when not given."""
     if setting == "auto":
         return
     wanted = f"--kv-cache-dtype {setting}"
@@ -115,7 +116,7 @@ def check_kv_cache_dtype(setting: KVCacheDtype, kernels: Kernels, *, head_dim: i
     if kernels.batch_invariant:
         raise KernelsUnavailable(f"{wanted} is not offered with --batch-invariant: its "
                                  "promise was measured with the compute dtype's KV only")
-    if "avx512f" not in cpu_flags():
+    if "avx512f" not in (cpu_flags() if flags is None else flags):
         raise KernelsUnavailable(f"{wanted} needs a CPU with AVX512: the kernel has no fp8 path "
                                  "for this one")
     if head_dim % 32:

@@ -49,6 +49,10 @@ class PagedAttention:
         shape = pool.shape
         isa = kernel_isa(shape.dtype, pool.page_size, shape.cache_dtype)
         assert shape.head_major and isa is not None, "the kernel reads a head-major pool"
+        if isa == "amx":
+            # Linux hands out AMX's tile state only to a process that asks; oneDNN asks before
+            # its first bf16 matmul, but the kernel does not (without it: SIGILL).
+            torch.cpu._init_amx()
         self.pool = pool
         self.isa = isa
         self.num_heads = num_heads
