@@ -51,8 +51,8 @@ def _text(value: object) -> str:
 @router.get("/health")
 async def health(request: Request) -> Response:
     """Liveness: the process answers, reaches Redis, and its result reader runs. Also lists the
-    live workers of its models as they announce themselves (model, device, dtype, kernels,
-    batch-invariant mode, thread policy, batch, KV pages: their `Heartbeat`)."""
+    live workers of its models as they announce themselves (model, device, dtype, KV dtype,
+    kernels, batch-invariant mode, thread policy, batch, KV pages: their `Heartbeat`)."""
     ctx = _ctx(request)
     reader = {"alive": ctx.reader.alive, "restarts": ctx.reader.restarts}
     try:

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "worker":
         run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", "device",
                                  "dtype", "kernels", "batch_invariant", "quantization",
-                                 "speculation", "speculative_tokens",
+                                 "speculation", "speculative_tokens", "kv_cache_dtype",
                                  "threads", "decode_threads", "max_running", "queue_policy",
                                  "kv_cache_memory", "page_size", "max_prefill_tokens",
                                  "worker_name", "metrics_port"))

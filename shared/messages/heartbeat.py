@@ -37,6 +37,7 @@ class Heartbeat:
     at: float | None = None  # unix time of the beat: its age needs no knowledge of the TTL
     device: str = ""
     dtype: str = ""
+    kv_dtype: str = ""  # what its KV cache stores: the compute dtype, or fp8_e4m3
     # How it computes (worker/engine/kernels.py, worker/engine/threads.py); "", None and 0: a
     # worker of an earlier version, which did not say.
     kernels: str = ""  # a `KernelSet`

@@ -112,6 +112,7 @@ class WorkerService:
             threads=threads.policy.most if threads else 0,
             decode_threads=threads.policy.decode if threads else 0,
             threads_last=threads.last if threads else 0,
+            kv_dtype=self.engine.runner.kv_shape.storage_name,
             outbox=self.publisher.backlog,
             draft_tokens=spec.proposed, draft_tokens_accepted=spec.accepted,
             request_steps=spec.steps, request_step_tokens=spec.tokens,

@@ -50,7 +50,8 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
     check_quantization(settings.quantization, dtype, device)  # before the slow load
     runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,
                          kernels=settings.kernels, batch_invariant=settings.batch_invariant,
-                         page_size=settings.page_size, quantization=settings.quantization)
+                         page_size=settings.page_size, quantization=settings.quantization,
+                         kv_cache_dtype=settings.kv_cache_dtype)
     log.info("kernels: %s (%s)%s", runner.kernels.name, runner.kernels.note,
              "; batch-invariant" if runner.kernels.batch_invariant else "")
     if settings.quantization == "int8":
@@ -61,6 +62,9 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
                  runner.weight_bytes() / 2**20)
     budget = budget_bytes(settings.kv_cache_memory, device)
     pool = KVPool.from_budget(runner.kv_shape, budget, settings.page_size)
+    log.info("KV cache in %s (--kv-cache-dtype %s): %d tokens in %d pages, %.0f MiB",
+             runner.kv_shape.storage_name, settings.kv_cache_dtype,
+             pool.num_pages * pool.page_size, pool.num_pages, pool.nbytes / 2**20)
     step_tokens = settings.max_prefill_tokens or (8192 if device.type == "cuda" else 512)
     config = EngineConfig(
         max_running=settings.batch_limit,

