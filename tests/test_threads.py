@@ -61,3 +61,9 @@ def test_apply_sets_torchs_thread_count() -> None:
         assert chooser.apply(8) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_usable_core_runs_one_thread_every_step() -> None:
+    chooser = ThreadChooser(ThreadPolicy(1))
+    assert chooser.policy.candidates == (1,)
+    assert set(_drive(chooser, 32, 4 * EXPLORE_EVERY, {1: 0.002})) == {1}

@@ -102,6 +102,8 @@ class ThreadChooser:
         if bucket.steps % EXPLORE_EVERY:
             return best
         others = [c for c in policy.candidates if c != best]
+        if not others:  # one usable core: nothing to compare
+            return best
         bucket.explored += 1
         return others[bucket.explored % len(others)]
 
