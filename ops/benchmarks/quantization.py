@@ -25,20 +25,19 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ops.benchmarks import drift
 from ops.benchmarks.machine import describe
 from ops.console import make_console
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 from worker.engine import onednn
-from worker.engine.chunk import Chunk
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
 from worker.engine.linear import Linear
@@ -55,13 +54,6 @@ PAGE = 16
 SPEED_CONFIGS = ("bf16", "int8", "int8 + lm_head")
 
 
-@dataclass(frozen=True)
-class Run:
-    fed: list[list[int]]  # per prompt, the continuation fed back
-    logprobs: list[list[float]]  # the logprob of each fed token
-    top: list[list[int]]  # the argmax at each position
-
-
 def _runner(path: Path, config: str) -> ModelRunner:
     dtype = torch.float32 if config == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -72,34 +64,8 @@ def _runner(path: Path, config: str) -> ModelRunner:
     return runner
 
 
-def _decode(runner: ModelRunner, prompts: list[list[int]], tokens: int,
-            forced: list[list[int]] | None = None) -> Run:
-    """Every prompt in one batch, greedy or teacher-forced on `forced`."""
-    per = -(-(max(map(len, prompts)) + tokens) // PAGE)
-    runner.attach(KVPool(runner.kv_shape, per * len(prompts), PAGE))
-    pages = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
-    run = Run([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts])
-    chunks = [Chunk(p, 0, pages[i], sample=True) for i, p in enumerate(prompts)]
-    for t in range(tokens):
-        logprobs = torch.log_softmax(runner.forward(chunks), -1)
-        best = logprobs.argmax(-1).tolist()
-        for i in range(len(prompts)):
-            token = forced[i][t] if forced is not None else best[i]
-            run.fed[i].append(token)
-            run.logprobs[i].append(float(logprobs[i, token]))
-            run.top[i].append(best[i])
-        chunks = [Chunk([run.fed[i][t]], len(p) + t, pages[i], sample=True)
-                  for i, p in enumerate(prompts)]
-    return run
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """Tokens two continuations share before they first differ."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
-def _drift_row(name: str, ours: Run, ref: Run, greedy: Run | None,
-               base: Run) -> list[str]:
+def _drift_row(name: str, ours: drift.Run, ref: drift.Run, greedy: drift.Run | None,
+               base: drift.Run) -> list[str]:
     gaps = torch.tensor([abs(x - y) for a, b in zip(ours.logprobs, ref.logprobs, strict=True)
                          for x, y in zip(a, b, strict=True)])
     cells = [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
@@ -108,7 +74,7 @@ def _drift_row(name: str, ours: Run, ref: Run, greedy: Run | None,
         return [*cells, "", "", ""]
     top1 = [x == y for a, b in zip(ours.top, base.fed, strict=True)
             for x, y in zip(a, b, strict=True)]
-    shared = [_shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
+    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
     return [*cells, f"{sum(top1) / len(top1):.1%}", f"{statistics.mean(shared):.1f}",
             f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
 
@@ -118,13 +84,13 @@ def drift_table(path: Path, tokens: int) -> Table:
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True, return_dict=False))
                for q in QUESTIONS]
-    bf16 = _decode(_runner(path, "bf16"), prompts, tokens)
-    forced: dict[str, Run] = {}
-    greedy: dict[str, Run] = {}
+    bf16 = drift.decode(_runner(path, "bf16"), prompts, tokens)
+    forced: dict[str, drift.Run] = {}
+    greedy: dict[str, drift.Run] = {}
     for config in ("fp32", "int8", "int8 + lm_head"):
         runner = _runner(path, config)
-        forced[config] = _decode(runner, prompts, tokens, bf16.fed)
-        greedy[config] = _decode(runner, prompts, tokens)
+        forced[config] = drift.decode(runner, prompts, tokens, bf16.fed)
+        greedy[config] = drift.decode(runner, prompts, tokens)
         del runner
     table = Table(title=f"logprob drift per token, teacher-forced on bf16's greedy output "
                         f"({len(prompts)} prompts x {tokens} tokens)")
