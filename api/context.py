@@ -17,6 +17,7 @@ from api.metrics import APIMetrics
 from api.placement import Placement
 from api.reader import ResultReader
 from api.text import TextCodec
+from api.worker_watch import WorkerWatch
 from shared.keys import Keys
 from shared.messages import Error
 from shared.models import ModelInfo
@@ -114,4 +115,5 @@ class AppContext:
     policies: TenantPolicies  # each tenant's rate limits and weight (shared/tenants.py)
     limits: RateLimits
     placement: Placement  # which worker a new request goes to
+    workers: WorkerWatch  # whether each model has a live worker, and since when not
     live: Live = field(default_factory=Live)

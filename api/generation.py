@@ -39,12 +39,16 @@ from shared.messages import (
     RequestState,
     ResultEntry,
     Tokens,
+    no_worker,
     queue_timeout,
 )
 
 log = logging.getLogger("redserve.api")
 
 CLOSED = Error("the request was closed", "server_error", "closed")
+# How often a request waiting for its next entry looks whether its model still has a live
+# worker (the view itself is refreshed every second: api/worker_watch.py).
+WATCH_S = 1.0
 
 
 class Phase(Enum):
@@ -80,6 +84,9 @@ class Generation:
         # a finish came.
         self._produced: int | None = None
         self._settling: asyncio.Future[None] | None = None
+        # When a worker was last heard of for this request (an entry), or it was admitted:
+        # the start of a wait for a worker that may be gone (`_next`).
+        self._heard = time.time()
 
     @property
     def request_id(self) -> str:
@@ -175,25 +182,37 @@ class Generation:
         return entry
 
     async def _next(self, sub: Subscription) -> ResultEntry:
-        """The next entry from the worker (or from `fail`), or a timeout of this side's."""
+        """The next entry from the worker (or from `fail`), or a timeout of this side's: the
+        request's deadline, its queue deadline while no worker took it, or `no_worker` once
+        its model has had no live worker for the queue deadline (api/worker_watch.py).
+        While the model has none, the wait wakes every `WATCH_S` to look."""
+        model, ctx = self.request.model, self.ctx
         while True:
             if not sub.queue.empty():  # the common case while tokens flow: no timer needed
                 return self._took(sub, sub.queue.get_nowait())
-            queued = self._phase is Phase.ENQUEUED and time.time() < self.request.queue_deadline
+            now = time.time()
+            queued = self._phase is Phase.ENQUEUED and now < self.request.queue_deadline
             until = self.request.queue_deadline if queued else self.request.deadline
+            wake = min(until, now + WATCH_S)
             try:
-                entry = await asyncio.wait_for(sub.queue.get(), max(until - time.time(), 0.0))
+                entry = await asyncio.wait_for(sub.queue.get(), max(wake - now, 0.0))
             except TimeoutError:
+                if ctx.workers.abandoned(model, self._heard, ctx.settings.queue_timeout_s):
+                    return no_worker(model)
+                if time.time() < until:
+                    continue
                 if not queued:
                     return Error("request timed out", "timeout", "request_timeout")
                 if await self._still_queued():
-                    return queue_timeout(self.request.model)
+                    return (no_worker(model) if ctx.workers.gone_since(model) is not None
+                            else queue_timeout(model))
                 self._phase = Phase.STARTED  # a worker has it: wait for the full deadline
                 continue
             return self._took(sub, entry)
 
     def _took(self, sub: Subscription, entry: ResultEntry) -> ResultEntry:
         """`entry`, counted if it came from the worker (not from `fail`)."""
+        self._heard = time.time()
         if self._phase is Phase.ENQUEUED:
             self._phase = Phase.STARTED
         if not sub.failed:

@@ -24,6 +24,7 @@ from api.metrics import APIMetrics, QueueDepths
 from api.placement import Placement
 from api.reader import ResultReader
 from api.text import TextCodec
+from api.worker_watch import WorkerWatch
 from shared.keys import Keys, new_replica_tag
 from shared.messages import Error
 from shared.models import parse_specs, resolve_models
@@ -46,12 +47,14 @@ class Lifespan:
     @asynccontextmanager
     async def __call__(self, app: FastAPI) -> AsyncIterator[None]:
         ctx = await self.start_up()
-        placing = asyncio.create_task(ctx.placement.run())
+        beside = [asyncio.create_task(ctx.placement.run()),
+                  asyncio.create_task(ctx.workers.run())]
         app.state.ctx = ctx
         try:
             yield
         finally:
-            placing.cancel()
+            for task in beside:
+                task.cancel()
             await shut_down(ctx)
 
     async def start_up(self) -> AppContext:
@@ -75,9 +78,10 @@ class Lifespan:
                               on_slow_client(live, metrics, settings))
         placement = Placement(clients.commands, keys, list(models), settings.placement,
                               metrics, remember_s=settings.heartbeat_ttl_s)
+        workers = WorkerWatch(clients.commands, keys, list(models), settings.heartbeat_ttl_s)
         return AppContext(settings, keys, models, clients, reader,
                           queue_admission(clients, keys, settings), metrics, replica, self.policies,
-                          RateLimits(clients.commands, keys), placement, live)
+                          RateLimits(clients.commands, keys), placement, workers, live)
 
 
 async def load_models(settings: ApiSettings) -> dict[str, ServedModel]:

@@ -50,6 +50,7 @@ _ABORT_CAUSES = {
     "server_shutdown": "drain",
     "request_timeout": "timeout",
     "queue_timeout": "queue_timeout",
+    "no_worker": "no_worker",
 }
 
 

@@ -38,6 +38,7 @@ from shared.messages import (
     ResultEntry,
     decode_result,
     expand,
+    no_worker,
     queue_timeout,
 )
 from shared.redis_conn import stream_reply
@@ -95,7 +96,8 @@ class StreamView:
 class Replay:
     """A request's result entries read straight from Redis, from the first one: the source of
     a resumed stream (in place of a live `Generation`). It keeps the request's deadlines as
-    the first stream did: no worker by the queue deadline ends it with `queue_timeout`."""
+    the first stream did: no worker by the queue deadline ends it with `queue_timeout`, or
+    `no_worker` when its model has had no live worker that long."""
 
     def __init__(self, ctx: AppContext, request_id: str, view: StreamView) -> None:
         self.ctx = ctx
@@ -107,6 +109,9 @@ class Replay:
         self._ended = False
         self._started = False  # some entry was read
         self._failed: Error | None = None
+        # When its record last grew, or the resume began: the start of a wait for a worker
+        # that may be gone (api/worker_watch.py).
+        self._heard = time.time()
         ctx.live.add_resume(self)
 
     @property
@@ -142,6 +147,7 @@ class Replay:
                 for entry_id, fields in entries:
                     self._last = entry_id
                     self._started = True
+                    self._heard = time.time()
                     self._buffer.extend(expand(decode_result(fields)))
             if not self._buffer:
                 await asyncio.sleep(POLL_S)
@@ -155,6 +161,10 @@ class Replay:
         if now > self.view.deadline:
             await self._abort(abort_cause("request_timeout"))
             return Error("request timed out", "timeout", "request_timeout")
+        model, workers = self.view.spec.model, self.ctx.workers
+        if workers.abandoned(model, self._heard, self.ctx.settings.queue_timeout_s):
+            await self._abort(abort_cause("no_worker"))
+            return no_worker(model)
         if self._started or not self.view.queue_deadline or now <= self.view.queue_deadline:
             return None
         try:
@@ -165,8 +175,11 @@ class Replay:
         if state not in (None, RequestState.QUEUED.encode()):
             self._started = True  # a worker has it: only the full deadline applies now
             return None
+        if workers.gone_since(model) is not None:
+            await self._abort(abort_cause("no_worker"))
+            return no_worker(model)
         await self._abort(abort_cause("queue_timeout"))
-        return queue_timeout(self.view.spec.model)
+        return queue_timeout(model)
 
     def _end(self) -> None:
         self._ended = True

@@ -75,7 +75,7 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
     _time_reply(ctx, generations, spec, tenant, now, body.stream)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
-    return await _reply(request, choices, spec, headers, body.stream)
+    return await _reply(request, choices, spec, headers, body.stream, ctx.settings.sse_ping_s)
 
 
 def _trace_id(header: str) -> str:
@@ -162,10 +162,10 @@ def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec,
 
 
 async def _reply(request: Request, choices: list[Choice], spec: ReplySpec,
-                 headers: dict[str, str], stream: bool) -> Response:
+                 headers: dict[str, str], stream: bool, ping_s: float) -> Response:
     """An SSE stream (its choices closed as it ends), or the JSON reply once all are done."""
     if stream:
-        return sse(choices, spec, headers)
+        return sse(choices, spec, headers, 0, ping_s)
     try:
         reply = await collect_unless_disconnected(request, choices, spec)
     finally:
@@ -179,4 +179,4 @@ def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamVie
     are sent."""
     spec = view.spec
     choice = spec.choice(Replay(ctx, request_id, view), model.codec)
-    return sse([choice], spec, {"X-Request-Id": spec.base_id}, after)
+    return sse([choice], spec, {"X-Request-Id": spec.base_id}, after, ctx.settings.sse_ping_s)

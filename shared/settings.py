@@ -120,6 +120,9 @@ class ApiSettings(Settings):
     resume_grace_s: float = Field(default=0.0, ge=0)
     # A client whose buffer stays full this long is cancelled.
     slow_client_timeout_s: float = Field(default=30.0, gt=0)
+    # An open SSE stream gets a keep-alive comment (`: ping`) this often, so that proxies do
+    # not cut a stream that waits (for a worker, a long prefill) as idle.
+    sse_ping_s: float = Field(default=15.0, gt=0)
     # Which worker an API replica places a request on (api/placement.py): `prefix`, the live
     # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
     # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.

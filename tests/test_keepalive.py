@@ -39,7 +39,7 @@ def url() -> Iterator[str]:
 
     @app.get("/stream")
     async def stream() -> Response:
-        return event_stream(_slow_events(), {}, ping_s=PING_S)
+        return event_stream(_slow_events(), {}, None, PING_S)
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))

@@ -18,6 +18,7 @@ import orjson
 import pytest
 import redis
 
+from api.worker_watch import REFRESH_S
 from ops.embedded_redis import free_port
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Finish, Tokens
@@ -140,23 +141,43 @@ def test_full_queue_answers_429_before_enqueueing(
         t.join(10)
 
 
-def test_request_no_worker_takes_ends_with_queue_timeout(
-    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
+@pytest.fixture
+def live_worker(scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis) -> Iterator[str]:
+    """A worker of the model that counts as live (the test plays its heartbeat), seen by the
+    replica's watch of the live workers, and that takes nothing unless the test does."""
+    name = "scripted-worker"
+    sync_redis.zadd(empty_queue.workers(MODEL), {name: time.time() + 120})
+    time.sleep(REFRESH_S + 0.5)
+    yield name
+    sync_redis.zrem(empty_queue.workers(MODEL), name)
+    time.sleep(REFRESH_S + 0.5)
+
+
+@pytest.mark.parametrize("workers", ["none", "busy"])
+def test_request_no_worker_takes_ends_at_its_queue_deadline(
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis,
+    request: pytest.FixtureRequest, workers: str
 ) -> None:
+    # No live worker: no_worker; live ones that took nothing (all busy): queue_timeout.
+    if workers == "busy":
+        request.getfixturevalue("live_worker")
     t0 = time.monotonic()
     response = httpx.post(f"{scripted.base_url}/v1/completions",
                           json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=10)
     assert 0.9 < time.monotonic() - t0 < 3
     assert response.status_code == 503
-    assert response.json()["error"]["code"] == "queue_timeout"
-    [request] = queued_requests(sync_redis, empty_queue.requests(MODEL), 1)
-    assert sync_redis.exists(empty_queue.abort(request.id))
+    assert response.headers["retry-after"] == "1"
+    code = response.json()["error"]["code"]
+    assert code == ("no_worker" if workers == "none" else "queue_timeout")
+    [queued] = queued_requests(sync_redis, empty_queue.requests(MODEL), 1)
+    assert sync_redis.exists(empty_queue.abort(queued.id))
     assert sync_redis.zcard(empty_queue.queued(MODEL)) == 0
 
 
 def test_request_whose_worker_goes_silent_ends_with_timeout(
-    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis
+    scripted: Stack, empty_queue: Keys, sync_redis: redis.Redis, live_worker: str
 ) -> None:
+    # Its worker lives (it beats) but sends nothing: the request deadline ends it.
     def take_and_go_silent() -> None:
         [request] = queued_requests(sync_redis, empty_queue.requests(MODEL), 1)
         sync_redis.hset(empty_queue.state(request.id), "state", "running")

@@ -74,7 +74,7 @@ def test_two_models_share_one_redis_without_touching_each_others_requests(
                               and sync_redis.xpending(s, WORKER_GROUP)["pending"] == 0, 10)
 
         # Model B loses its worker: it leaves /v1/models, and its requests wait their queue
-        # deadline, then end with a 503 that names it. Model A serves on.
+        # deadline, then end with a 503 (no_worker) that names it. Model A serves on.
         workers[B].send_signal(signal.SIGTERM)
         assert workers[B].wait(30) == 0
         assert eventually(lambda: [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
@@ -84,7 +84,7 @@ def test_two_models_share_one_redis_without_touching_each_others_requests(
         orphan = httpx.post(f"{url}/v1/completions", json=_body(B, PROMPTS[0]), timeout=30)
         assert orphan.status_code == 503, orphan.text
         error = orphan.json()["error"]
-        assert error["code"] == "queue_timeout" and repr(B) in error["message"]
+        assert error["code"] == "no_worker" and repr(B) in error["message"]
         assert asyncio.run(_texts(url, [(A, PROMPTS[0])]))[0][0] == solo[(A, 0)]
         unknown = httpx.post(f"{url}/v1/completions", json=_body("tiny-c", PROMPTS[0]))
         assert unknown.status_code == 404

@@ -183,7 +183,8 @@ def test_a_resume_keeps_the_queue_deadline_and_a_drain_waits_for_it(
     redis_url: str, tiny_model: Path, sync_redis: redis.Redis
 ) -> None:
     # No worker: the request stays queued. Its client leaves (the grace keeps it alive) and
-    # resumes on the other replica, which ends it at the queue deadline like the first would.
+    # resumes on the other replica, which ends it at the queue deadline like the first would
+    # (no_worker: the model has no live worker).
     stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, workers=0, env={
         **KEYS, "REDSERVE_RESUME_GRACE_S": "30", "REDSERVE_QUEUE_TIMEOUT_S": "3",
         "REDSERVE_DRAIN_GRACE_S": "20"}).start()
@@ -192,7 +193,7 @@ def test_a_resume_keeps_the_queue_deadline_and_a_drain_waits_for_it(
                           timeout=30) as response:
             request_id = response.headers["x-request-id"]
         resumed = _resume(stack.url(1), request_id, 0)
-        assert orjson.loads(resumed[-2][1])["error"]["code"] == "queue_timeout"
+        assert orjson.loads(resumed[-2][1])["error"]["code"] == "no_worker"
         assert repr(MODEL) in orjson.loads(resumed[-2][1])["error"]["message"]
         assert sync_redis.exists(Keys(stack.prefix).abort(request_id))  # told any late worker
 
@@ -207,7 +208,7 @@ def test_a_resume_keeps_the_queue_deadline_and_a_drain_waits_for_it(
             stack.replica_proc(1).send_signal(signal.SIGTERM)
             events = list(_events(response.iter_lines()))
         # It ran to its own end (the queue deadline), not cut short by the shutdown.
-        assert orjson.loads(events[-2][1])["error"]["code"] == "queue_timeout"
+        assert orjson.loads(events[-2][1])["error"]["code"] == "no_worker"
         assert stack.replica_proc(1).wait(30) == 0
     finally:
         stack.stop()

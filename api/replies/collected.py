@@ -21,6 +21,7 @@ ERROR_STATUS = {
     "invalid_grammar": 400,
     "model_not_found": 404,
     "queue_timeout": 503,
+    "no_worker": 503,
     "worker_shutdown": 503,
     "server_shutdown": 503,
     "request_timeout": 504,
@@ -72,8 +73,9 @@ async def _collect(choices: list[Choice], header: ReplyHeader, prompt_tokens: in
             texts[choice.index].append(tail)
             calls[choice.index] += [c.as_openai() for c in made]
         else:
-            raise APIError(ERROR_STATUS.get(entry.code, 500), entry.message, type=entry.type,
-                           code=entry.code)
+            status = ERROR_STATUS.get(entry.code, 500)
+            raise APIError(status, entry.message, type=entry.type, code=entry.code,
+                           headers={"Retry-After": "1"} if status == 503 else None)
     missing = [c.index for c in choices if c.finish_reason is None]
     if missing:
         raise APIError(500, "result stream ended without a terminal entry", type="server_error")

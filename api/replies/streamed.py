@@ -20,9 +20,6 @@ from api.responses import ReplyHeader
 from api.tools.parse import ParsedCall
 from shared.messages import Error, Finish, Tokens
 
-# A keep-alive this often, for proxies that close a connection idle for longer.
-PING_S = 15
-
 
 class Ping(ServerSentEvent):
     """The keep-alive: a comment line, with no blank line after it. A blank line ends an
@@ -36,18 +33,19 @@ class Ping(ServerSentEvent):
 
 
 def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str],
-                 background: BackgroundTask | None = None, ping_s: float = PING_S
-                 ) -> EventSourceResponse:
+                 background: BackgroundTask | None, ping_s: float) -> EventSourceResponse:
+    """The SSE response; a keep-alive every `ping_s` (`REDSERVE_SSE_PING_S`), for proxies
+    that close a connection idle for longer: a stream waiting for a worker stays open."""
     return EventSourceResponse(events, headers=headers, sep="\n", ping=ping_s,
                                ping_message_factory=Ping,
                                background=background)
 
 
-def sse(choices: list[Choice], spec: ReplySpec, headers: dict[str, str], after: int = 0
-        ) -> Response:
+def sse(choices: list[Choice], spec: ReplySpec, headers: dict[str, str], after: int,
+        ping_s: float) -> Response:
     return event_stream(
         _numbered(_stream(choices, spec.header, spec.prompt_tokens, spec.usage_mode), after),
-        headers, BackgroundTask(close_all, choices))
+        headers, BackgroundTask(close_all, choices), ping_s)
 
 
 async def _numbered(events: AsyncIterator[ServerSentEvent], after: int

@@ -53,6 +53,7 @@ from shared.messages.results import (
     feed_min_id,
     feed_payload,
     is_terminal,
+    no_worker,
     queue_timeout,
 )
 from shared.messages.state import RequestField, RequestHash, RequestState
@@ -64,5 +65,5 @@ __all__ = [
     "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
     "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",
     "decode_result", "expand", "feed_fields", "feed_marker", "feed_min_id", "feed_payload",
-    "is_terminal", "queue_timeout",
+    "is_terminal", "no_worker", "queue_timeout",
 ]

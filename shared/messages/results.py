@@ -160,11 +160,18 @@ def decode_result(fields: dict[bytes, bytes] | dict[str, str]) -> ResultEntry:
 
 
 def queue_timeout(model: str) -> Error:
-    """How a request no worker took in time ends (from the API or a worker that takes it
-    late)."""
+    """How a request no worker took in time ends while the model has live workers (from the
+    API, or a worker that takes it late)."""
     return Error(f"no worker for model {model!r} took the request within its queue deadline: "
-                 "the model has no live worker, or all of them are busy", "server_error",
-                 "queue_timeout")
+                 "all of its workers are busy", "server_error", "queue_timeout")
+
+
+def no_worker(model: str) -> Error:
+    """How a request ends, on its API replica, when its model has had no live worker for the
+    queue deadline: queued, or held by a worker that died and that no other took over."""
+    return Error(f"the model {model!r} has no live worker: none took the request, or took "
+                 "it over from a worker that stopped, within the queue deadline; retry later",
+                 "server_error", "no_worker")
 
 
 def expand(entry: ResultEntry) -> list[ResultEntry]:
