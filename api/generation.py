@@ -97,6 +97,11 @@ class Generation:
             self.ctx.metrics.rejected.labels("draining").inc()
             raise APIError(503, "this replica is shutting down; retry on another",
                            type="server_error", code="draining", headers={"Retry-After": "1"})
+        if not self.ctx.reader.connected:
+            self.ctx.metrics.rejected.labels("redis_unavailable").inc()
+            raise APIError(503, "this replica is waiting for Redis; retry shortly",
+                           type="server_error", code="redis_unavailable",
+                           headers={"Retry-After": "1"})
         self._sub = self.ctx.reader.open(self.request.id)
         self.ctx.live.add(self)
         self._phase = Phase.OPENED

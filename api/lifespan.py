@@ -1,11 +1,13 @@
 """A replica's start-up and shut-down, as FastAPI's lifespan runs them.
 
-Start-up loads the served models' tokenizers, connects to Redis and wires the parts every
-route uses into one `AppContext`, then starts what runs beside the requests (the result
-reader, the placement refresher). Shut-down ends the requests still open past the drain
-(`api.app.drain`), then stops reading and disconnects; streams waiting out their resume grace
-run on, only their pending cancellation goes. What does not depend on Redis or a model (the
-API keys, the tenants' policies, the metrics) is made before, by `api.app.create_app`.
+Start-up loads the served models' tokenizers, wires the parts every route uses into one
+`AppContext` on one Redis connection, then starts what runs beside the requests: the result
+reader (which waits for Redis if it does not answer yet: api/reader.py), then, once Redis
+answers, the placement refresher and the watch of the workers' liveness. Shut-down ends the
+requests still open past the drain (`api.app.drain`), then stops reading and disconnects;
+streams waiting out their resume grace run on, only their pending cancellation goes. What does
+not depend on Redis or a model (the API keys, the tenants' policies, the metrics) is made
+before, by `api.app.create_app`.
 """
 
 from __future__ import annotations
@@ -47,14 +49,12 @@ class Lifespan:
     @asynccontextmanager
     async def __call__(self, app: FastAPI) -> AsyncIterator[None]:
         ctx = await self.start_up()
-        beside = [asyncio.create_task(ctx.placement.run()),
-                  asyncio.create_task(ctx.workers.run())]
+        beside = asyncio.create_task(run_beside(ctx))
         app.state.ctx = ctx
         try:
             yield
         finally:
-            for task in beside:
-                task.cancel()
+            beside.cancel()
             await shut_down(ctx)
 
     async def start_up(self) -> AppContext:
@@ -82,6 +82,13 @@ class Lifespan:
         return AppContext(settings, keys, models, clients, reader,
                           queue_admission(clients, keys, settings), metrics, replica, self.policies,
                           RateLimits(clients.commands, keys), placement, workers, live)
+
+
+async def run_beside(ctx: AppContext) -> None:
+    """What runs beside the requests, once Redis answered (until then only the reader says
+    so): the placement's view of the workers, and the watch of their liveness."""
+    await ctx.reader.until_connected()
+    await asyncio.gather(ctx.placement.run(), ctx.workers.run())
 
 
 async def load_models(settings: ApiSettings) -> dict[str, ServedModel]:

@@ -27,6 +27,11 @@ Every request of the replica depends on this one task, so it must never die sile
 that cannot be decoded ends only its own request (with an error), and should the loop itself
 fail, it is logged and restarted after a short pause, its subscriptions intact; `/health`
 shows whether it runs and how often it was restarted.
+
+A replica may start before Redis answers (a Kubernetes rollout, `redserve up` against a Redis
+still starting): the reader then waits for it, logging one line when the wait begins and one
+when it ends, and retrying with backoff meanwhile, while the replica serves its probes (/health
+says why it is unavailable, /ready is 503) and refuses requests with 503 (`connected`).
 """
 
 from __future__ import annotations
@@ -147,6 +152,8 @@ class ResultReader:
     _feed_checked: float = 0.0
     _task: asyncio.Task[None] | None = None
     restarts: int = 0
+    waiting: str | None = None  # while Redis does not answer at start: why
+    _connected: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def room(self) -> int:
@@ -158,11 +165,47 @@ class ResultReader:
         return self.keys.feed(self.replica)
 
     async def start(self, ttl_s: int) -> None:
+        """Make the feed and read it from here on; if Redis does not answer, keep trying in
+        the background (`connected` turns true once it does)."""
         self._ttl_s = ttl_s
+        with contextlib.suppress(aioredis.RedisError):
+            await self._connect()
+        self._task = asyncio.create_task(self._supervise(), name="result-reader")
+
+    async def _connect(self) -> None:
         # Read the feed from an entry of our own on: every later one is newer.
         self._feed_id = await self._make_feed()
         self._feed_checked = time.monotonic()
-        self._task = asyncio.create_task(self._supervise(), name="result-reader")
+        self.waiting = None
+        self._connected.set()
+
+    @property
+    def connected(self) -> bool:
+        """Its feed is made: requests can be served."""
+        return self._connected.is_set()
+
+    async def until_connected(self) -> None:
+        await self._connected.wait()
+
+    async def _wait_for_redis(self) -> None:
+        """Until the feed is made: one line as the wait begins, one as it ends, and tries
+        with backoff between (each failure only at debug level)."""
+        backoff = RedisBackoff("Redis", start=0.2, cap=5.0, log=log)
+        since = time.time()
+        while True:
+            try:
+                await self._connect()
+            except aioredis.RedisError as e:
+                if self.waiting is None:
+                    log.warning("Redis at %s does not answer (%s); waiting for it, retrying "
+                                "with backoff (/ready is 503 meanwhile)", self.clients.where, e)
+                self.waiting = (f"waiting for Redis at {self.clients.where} since "
+                                f"{time.strftime('%H:%M:%S', time.gmtime(since))} UTC: {e}")
+                log.debug("Redis still unavailable: %s", e)
+                await backoff.pause()
+                continue
+            log.info("Redis at %s answers; serving", self.clients.where)
+            return
 
     @property
     def alive(self) -> bool:
@@ -193,6 +236,8 @@ class ResultReader:
         return bytes(entry_id)
 
     async def _supervise(self) -> None:
+        if not self.connected:
+            await self._wait_for_redis()
         while True:
             try:
                 await self._run()

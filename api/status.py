@@ -50,11 +50,15 @@ def _text(value: object) -> str:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """Liveness: the process answers, reaches Redis, and its result reader runs. Also lists the
+    """Liveness: the process answers, reaches Redis, and its result reader runs (503 with a
+    `reason` while it waits for Redis to answer at start). Also lists the
     live workers of its models as they announce themselves (model, device, dtype, KV dtype,
     kernels, batch-invariant mode, thread policy, batch, KV pages: their `Heartbeat`)."""
     ctx = _ctx(request)
     reader = {"alive": ctx.reader.alive, "restarts": ctx.reader.restarts}
+    if ctx.reader.waiting is not None:  # started before Redis answered: not serving yet
+        return json_response({"status": "unavailable", "redis": "unreachable",
+                              "reason": ctx.reader.waiting, "reader": reader}, status_code=503)
     try:
         workers = await _worker_status(ctx)
     except Exception as e:
@@ -98,6 +102,10 @@ async def ready(request: Request) -> Response:
     ctx = _ctx(request)
     if ctx.live.draining:
         return json_response({"status": "draining"}, status_code=503)
+    if not ctx.reader.connected:
+        return json_response({"status": "unavailable", "redis": "unreachable",
+                              "reason": ctx.reader.waiting or "connecting to Redis"},
+                             status_code=503)
     try:
         found = await live_workers(ctx)
     except Exception as e:

@@ -25,6 +25,7 @@ import httpx
 from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
 from shared.models import ModelInfo, ModelNotFound, resolve_models
+from shared.redis_conn import location
 from shared.settings import ApiSettings, WorkerSettings
 
 # `up` names each model on its children's command lines; the same settings in its environment
@@ -78,6 +79,8 @@ def run_up(args: argparse.Namespace) -> int:
         embedded = EmbeddedRedis()
         env["REDIS_URL"] = embedded.start()
         log.info("embedded Valkey at %s", env["REDIS_URL"])
+    else:
+        _say_if_redis_is_down(settings.redis_url)
     ports = [settings.port + i for i in range(args.replicas)]
     children = _up_children(args, infos, host, ports, settings)
 
@@ -147,6 +150,21 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     return children + [ChildSpec(f"API replica :{port}", (
         *me, "api", "--host", host, "--port", str(port), *every_model, *limits, *placement,
         *logs, *access)) for port in ports]
+
+
+def _say_if_redis_is_down(url: str) -> None:
+    """One line if the external Redis does not answer yet: nothing stops for it, the replicas
+    and workers wait for it (and `ready` waits for them)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        log.warning("Redis at %s does not answer yet (%s); the replicas and workers wait for "
+                    "it", location(url), e)
+    finally:
+        client.close()
 
 
 def _replica_ready(base_url: str, models: list[str]) -> bool:

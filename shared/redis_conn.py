@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -21,6 +22,7 @@ StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 class RedisClients:
     commands: aioredis.Redis
     blocking: aioredis.Redis
+    where: str = ""  # the server, as a log line may name it (`location`)
 
     async def close(self) -> None:
         await self.commands.aclose()
@@ -42,6 +44,7 @@ def connect(url: str, *, name: str, max_connections: int = 64,
         return RedisClients(
             commands=_cluster(url, max_connections, 10.0, name, common),
             blocking=_cluster(url, 4, None, f"{name}-block", common),
+            where=location(url),
         )
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
@@ -49,7 +52,15 @@ def connect(url: str, *, name: str, max_connections: int = 64,
     blocking = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=4, socket_timeout=None, client_name=f"{name}-block", **common
     ))
-    return RedisClients(commands=commands, blocking=blocking)
+    return RedisClients(commands=commands, blocking=blocking, where=location(url))
+
+
+def location(url: str) -> str:
+    """Where `url` points, without its credentials: `host:port`, or a socket's path."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
 
 
 def _cluster(url: str, max_connections: int, socket_timeout: float | None, name: str,
