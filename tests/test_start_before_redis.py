@@ -1,20 +1,27 @@
 """A replica started before Redis answers waits for it, as a worker does, instead of crashing
 (in Kubernetes, a crash loop): meanwhile /health says why it is unavailable, /ready is 503 and a
 request gets 503 with Retry-After; once Redis answers on that address, the same process serves.
+`redserve up` against an external Redis that is not up yet does likewise: no child exits, and
+`ready` comes once Redis answers.
 
-Real processes: a replica and a worker pointed at a free port where nothing listens, then the
-embedded Valkey the tests use started on that port.
+Real processes: a replica and a worker (or `redserve up`) pointed at a free port where nothing
+listens, then the embedded Valkey the tests use started on that port.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import httpx
 import openai
 
 from ops.embedded_redis import EmbeddedRedis, free_port
-from tests.stack import Stack, eventually
+from tests.stack import Stack, child_env, eventually
 
 MODEL = "tiny-llama"
 
@@ -60,4 +67,47 @@ def test_a_replica_started_before_redis_waits_then_serves(tiny_model: Path) -> N
         assert "Traceback" not in said, said
     finally:
         stack.stop()
+        redis_server.stop()
+
+
+def test_up_against_an_external_redis_not_up_yet_waits_for_it(tiny_model: Path,
+                                                               tmp_path: Path) -> None:
+    redis_port, port = free_port(), free_port()
+    redis_server = EmbeddedRedis(redis_port)
+    log = tmp_path / "up.log"
+    env = child_env(f"redis://127.0.0.1:{redis_port}/0", f"rsup-{uuid.uuid4().hex[:8]}",
+                    COLUMNS="300")  # wide enough that rich wraps no line of the log
+    with log.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
+                               "--model", str(tiny_model), "--served-model-name", MODEL],
+                              env=env, start_new_session=True, stdout=out,
+                              stderr=subprocess.STDOUT)
+
+    def said() -> str:
+        return " ".join(log.read_text().split())
+
+    def waiting() -> bool:
+        try:
+            reply = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 503 and "waiting for Redis" in reply.json()["reason"]
+
+    try:
+        assert eventually(waiting, 120), said()
+        assert "does not answer yet" in said() and "restarting in" not in said()
+        assert " ready: " not in said()
+        redis_server.start()
+        assert eventually(lambda: " ready: " in said(), 60), said()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert "restarting in" not in said() and "Traceback" not in said()  # no child exited
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
         redis_server.stop()
