@@ -189,14 +189,14 @@ class Generation:
     async def _next(self, sub: Subscription) -> ResultEntry:
         """The next entry from the worker (or from `fail`), or a timeout of this side's: the
         request's deadline, its queue deadline while no worker took it, or `no_worker` once
-        its model has had no live worker for the queue deadline (api/worker_watch.py).
-        While the model has none, the wait wakes every `WATCH_S` to look."""
+        its model has had no live worker for the queue deadline (api/worker_watch.py): a
+        wait with no entry wakes every `WATCH_S` to look."""
         model, ctx = self.request.model, self.ctx
         while True:
             if not sub.queue.empty():  # the common case while tokens flow: no timer needed
                 return self._took(sub, sub.queue.get_nowait())
             now = time.time()
-            queued = self._phase is Phase.ENQUEUED and now < self.request.queue_deadline
+            queued = self._phase is Phase.ENQUEUED  # until a worker is seen to have it
             until = self.request.queue_deadline if queued else self.request.deadline
             wake = min(until, now + WATCH_S)
             try:
