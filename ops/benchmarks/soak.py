@@ -12,8 +12,9 @@ with `n` = 2, a JSON-schema structured output, a completion, and a stream cancel
 few tokens, each through the official `openai` client.
 
 Sampled every `--sample-s`: the RSS of the replica and of each worker, Redis's `used_memory`
-and its key count. After the warm-up (`--warmup-minutes`), each figure's slope is fitted by
-least squares; a worker's over each of its lives (a restart starts a new one, warm-up again).
+and its key count. After the warm-up (`--warmup-minutes`, longer than the 5 minutes a finished
+request's keys are kept, over which the key count rises by design), each figure's slope is
+fitted by least squares; a worker's over each of its lives (a restart starts a new one, warm-up again).
 Targets: RSS slope at most 20 MiB/hour, Redis memory and keys flat (their slopes are printed
 beside their means), no error. A cancelled stream is not an error; any other exception or
 failed request is, counted by its kind.
@@ -207,16 +208,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30)
-    ap.add_argument("--warmup-minutes", type=float, default=3)
+    ap.add_argument("--warmup-minutes", type=float, default=6,
+                    help="past the 5 minutes a finished request's keys live (finished_ttl_s)")
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--restart-every", type=float, default=5, help="minutes between kills")
     ap.add_argument("--sample-s", type=float, default=10)
     args = ap.parse_args()
     console.print(describe())
-    env = {"REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in TENANTS.items()),
-           "REDSERVE_WORKERS": str(args.workers)}
-    with running_stack(DEFAULT_MODEL, DEFAULT_MODEL, env) as (base, redis_url, api_pid):
+    env = {"REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in TENANTS.items())}
+    options = ["--workers", str(args.workers)]
+    with running_stack(DEFAULT_MODEL, DEFAULT_MODEL, env, options) as (base, redis_url, api_pid):
         up_pid = int(Path(f"/proc/{api_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         asyncio.run(_soak(args, base, redis_url, api_pid, up_pid))
 
