@@ -14,7 +14,8 @@ few tokens, each through the official `openai` client.
 Sampled every `--sample-s`: the RSS of the replica and of each worker, Redis's `used_memory`
 and its key count. After the warm-up (`--warmup-minutes`, longer than the 5 minutes a finished
 request's keys are kept, over which the key count rises by design), each figure's slope is
-fitted by least squares; a worker's over each of its lives (a restart starts a new one, warm-up again).
+fitted by least squares; a worker's over each of its lives, after its own warm-up
+(`--worker-warmup-minutes`: its memory does not wait on key TTLs).
 Targets: RSS slope at most 20 MiB/hour, Redis memory and keys flat (their slopes are printed
 beside their means), no error. A cancelled stream is not an error; any other exception or
 failed request is, counted by its kind.
@@ -182,8 +183,9 @@ def _report(args: argparse.Namespace, samples: Samples, outcomes: Counter[str],
     for col in ("figure", "mean", "slope / hour", "target"):
         table.add_column(col)
 
-    def row(name: str, series: list[tuple[float, float]], unit: str, target: str) -> None:
-        slope = _slope_per_hour(series, warm)
+    def row(name: str, series: list[tuple[float, float]], unit: str, target: str,
+            after_s: float = warm) -> None:
+        slope = _slope_per_hour(series, after_s)
         mean = statistics.fmean(v for _, v in series) if series else float("nan")
         table.add_row(name, f"{mean:.1f} {unit}",
                       "too few samples" if slope is None else f"{slope:+.1f} {unit}", target)
@@ -194,7 +196,8 @@ def _report(args: argparse.Namespace, samples: Samples, outcomes: Counter[str],
         # Each life warms up anew: its slope is fitted from its own start + the warm-up.
         start = series[0][0]
         lived = [(t - start, v) for t, v in series]
-        row(f"worker {pid} RSS ({lived[-1][0] / 60:.1f} min)", lived, "MiB", limit)
+        row(f"worker {pid} RSS ({lived[-1][0] / 60:.1f} min)", lived, "MiB", limit,
+            args.worker_warmup_minutes * 60)
     row("Redis used_memory", samples.redis_memory, "MiB", "flat")
     row("Redis keys", samples.redis_keys, "keys", "flat")
     console.print(table)
@@ -210,6 +213,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--warmup-minutes", type=float, default=6,
                     help="past the 5 minutes a finished request's keys live (finished_ttl_s)")
+    ap.add_argument("--worker-warmup-minutes", type=float, default=1)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--restart-every", type=float, default=5, help="minutes between kills")
