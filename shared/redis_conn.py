@@ -4,6 +4,18 @@
 - `blocking`: for XREAD/XREADGROUP BLOCK, with no socket timeout (redis-py's default would cut
   a long block short) and its own connections so a block never holds up a command. Every
   connection has TCP keepalive on, so one whose peer vanished is noticed eventually.
+
+`connect` is the one place a process makes them, for each of the three shapes of Redis it may
+be given: one server (or a managed endpoint that moves: every call that finds its connection
+broken connects again, to wherever the name now points), a Redis Cluster, or a primary that
+Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`). Sentinel's pools ask the
+Sentinels for the primary on every new connection and drop a connection whose server turned
+replica (READONLY, or the UNBLOCKED error a demoted primary gives a blocked XREAD), so the next
+call lands on the new primary. No command is retried inside redis-py (no `retry` is set): a
+write whose reply was lost may have run, and only its caller knows whether running it again
+is safe, so the error goes to the caller, whose own loop retries what may be retried
+(`shared/retry.py`). A Lua script the new primary has never seen answers NOSCRIPT and redis-py's
+`Script` loads it and runs it again (`shared/scripts/base.py`): NOSCRIPT means it did not run.
 """
 
 from __future__ import annotations
@@ -13,6 +25,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+from shared.redis_address import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
@@ -21,10 +36,13 @@ StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 class RedisClients:
     commands: aioredis.Redis
     blocking: aioredis.Redis
+    sentinel: Sentinel | None = None  # the Sentinels both ask, when Sentinel finds the primary
 
     async def close(self) -> None:
         await self.commands.aclose()
         await self.blocking.aclose()
+        if self.sentinel is not None:
+            await self.sentinel.aclose()
 
 
 def connect(url: str, *, name: str, max_connections: int = 64,
@@ -42,6 +60,14 @@ def connect(url: str, *, name: str, max_connections: int = 64,
         return RedisClients(
             commands=_cluster(url, max_connections, 10.0, name, common),
             blocking=_cluster(url, 4, None, f"{name}-block", common),
+        )
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        sentinel = _sentinels(address)
+        return RedisClients(
+            commands=_primary(sentinel, address, max_connections, 10.0, name, common),
+            blocking=_primary(sentinel, address, 4, None, f"{name}-block", common),
+            sentinel=sentinel,
         )
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
@@ -61,6 +87,37 @@ def _cluster(url: str, max_connections: int, socket_timeout: float | None, name:
     client = RedisCluster.from_url(url, max_connections=max_connections,
                                    socket_timeout=socket_timeout, client_name=name, **options)
     return cast(aioredis.Redis, client)
+
+
+class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (it finds the primary) with the blocking pool's bound (a burst waits
+    for a free connection): the two only meet in `ConnectionPool`, so the mix is sound."""
+
+
+# Asking a Sentinel is short: one that does not answer in this long is skipped for the next.
+SENTINEL_TIMEOUT_S = 0.5
+
+
+def _sentinels(address: SentinelAddress) -> Sentinel:
+    """The Sentinels, asked in turn (one that fails is skipped) for the primary's address."""
+    return Sentinel(
+        list(address.sentinels), min_other_sentinels=0,
+        sentinel_kwargs={"socket_connect_timeout": SENTINEL_TIMEOUT_S,
+                         "socket_timeout": SENTINEL_TIMEOUT_S, "protocol": 2, "ssl": address.tls,
+                         "username": address.sentinel_username,
+                         "password": address.sentinel_password},
+    )
+
+
+def _primary(sentinel: Sentinel, address: SentinelAddress, max_connections: int,
+             socket_timeout: float | None, name: str, common: dict[str, Any]) -> aioredis.Redis:
+    """A client of the primary that the Sentinels name now, whoever that is."""
+    client: aioredis.Redis = sentinel.master_for(
+        address.master, connection_pool_class=_BoundedSentinelPool,
+        max_connections=max_connections, socket_timeout=socket_timeout, client_name=name,
+        db=address.db, username=address.username, password=address.password,
+        ssl=address.tls, **common)
+    return client
 
 
 def stream_reply(reply: object) -> list[tuple[bytes, StreamEntries]]:
