@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -122,7 +123,7 @@ class FailoverLab:
             for port in self.sentinel_ports:
                 client = redis.Redis(port=port, socket_timeout=0.5, decode_responses=True)
                 try:
-                    master = client.sentinel_master(MASTER)
+                    master: dict[str, Any] = client.sentinel_master(MASTER)  # type: ignore[assignment]
                 finally:
                     client.close()
                 if master["num-slaves"] < 1 or master["num-other-sentinels"] < 2:

@@ -111,6 +111,11 @@ class ApiSettings(Settings):
     # Of those, the most one tenant (API key owner) may hold at once.
     max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
+    # Opt-in: a request is answered only once this many Redis replicas hold its admission
+    # (WAIT, up to `admission_wait_ms`), so a failover cannot lose a request a client was told
+    # was accepted; short of that it ends with 503 (docs/operations.md#redis-failover). 0: off.
+    admission_wait_replicas: int = Field(default=0, ge=0)
+    admission_wait_ms: int = Field(default=100, ge=1)
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     # API keys (see api/auth/keys.py): comma-separated `tenant:key` or bare keys, and/or a file of

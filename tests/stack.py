@@ -21,8 +21,8 @@ from redis.sentinel import Sentinel
 from ops.embedded_redis import free_port
 from ops.probe import scrape, wait_healthy
 from shared.keys import Keys, replica_of
-from shared.redis_address import is_sentinel_url, parse_sentinel_url
 from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
+from shared.redis_address import is_sentinel_url, parse_sentinel_url
 
 
 def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:

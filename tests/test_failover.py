@@ -7,7 +7,11 @@ URL, and streams read over HTTP. Three ways the primary goes, one test each, on 
 deployment (the cases run in order; each leaves the lab settled again): a `SENTINEL FAILOVER`,
 the primary SIGKILLed (then started again empty, as an orchestrator would, and made a replica
 by the Sentinels), and the primary SIGSTOPped past `down-after-milliseconds` and resumed (it
-must not go on accepting: the Sentinels demote it as it wakes). The stalls (the longest gap
+must not go on accepting: the Sentinels demote it as it wakes). Replica 0 waits for a Redis
+replica to hold each admission (`REDSERVE_ADMISSION_WAIT_REPLICAS=1`, a pipeline of the script
+and WAIT, reloaded by NOSCRIPT on the new primary like any script); replica 1 does not. Streams
+start staggered over the first half of the run, so admissions land during the failover too.
+The stalls (the longest gap
 between two events of a stream) are printed with -s; ops/benchmarks/failover.py measures them.
 """
 
@@ -26,8 +30,9 @@ import httpx
 import orjson
 import pytest
 
+from ops.embedded_redis import free_port
 from ops.failover_lab import FailoverLab, LabConfig
-from tests.stack import Stack, eventually
+from tests.stack import Stack, eventually, sync_client
 
 MODEL = "tiny-llama"
 STREAMS = 32
@@ -57,7 +62,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) 
     finish, error, response_id = "", False, ""
     ids: list[int] = []
     after_end = 0
-    last = start = time.monotonic()
+    last = time.monotonic()
     stall = 0.0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -92,11 +97,13 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) 
                    max(stall, time.monotonic() - last) if not parts else stall, response_id)
 
 
-async def _load(urls: list[str], disturb: threading.Thread | None, at_s: float
-                ) -> list[Outcome | None]:
-    """STREAMS streams over the replicas in turn; `disturb` started `at_s` in. None: hung."""
+async def _load(urls: list[str], disturb: threading.Thread | None, at_s: float,
+                spread_s: float = 0.0) -> list[Outcome | None]:
+    """STREAMS streams over the replicas in turn, started evenly over `spread_s`; `disturb`
+    started `at_s` in. None: hung."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(HANG_S, connect=5.0)) as client:
         async def one(i: int) -> Outcome | None:
+            await asyncio.sleep(spread_s * i / STREAMS)
             try:
                 async with asyncio.timeout(HANG_S + at_s):
                     return await _stream(client, urls[i % len(urls)], _body(i))
@@ -140,11 +147,17 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Path) -> Iterator[Deployment]:
     lab = FailoverLab(LabConfig(down_after_ms=DOWN_AFTER_MS)).start()
-    stack = Stack(lab.url, tiny_model, served_name=MODEL, workers=2, replicas=2, env={
+    stack = Stack(lab.url, tiny_model, served_name=MODEL, workers=2, replicas=1, env={
         "REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_DTYPE": "float32",
         "REDSERVE_KERNELS": "torch", "REDSERVE_MAX_RUNNING": "16"})
     try:
+        stack.env["REDSERVE_ADMISSION_WAIT_REPLICAS"] = "1"
         stack.start()
+        del stack.env["REDSERVE_ADMISSION_WAIT_REPLICAS"]
+        stack.more_ports = [free_port()]  # the second replica, without the WAIT
+        stack.spawn("api", "--host", "127.0.0.1", "--port", str(stack.more_ports[0]),
+                    "--model", str(tiny_model), "--served-model-name", MODEL)
+        stack.wait_http(120, stack.url(1))
         urls = [stack.url(0), stack.url(1)]
         t0 = time.monotonic()
         first = asyncio.run(_load(urls, None, 0))
@@ -187,14 +200,16 @@ def test_in_flight_requests_end_identical_or_with_a_definite_error(
     lab = deployment.lab
     thread, old = _disturbance(case, lab)
     started = time.monotonic()
-    outcomes = asyncio.run(_load(deployment.urls, thread, deployment.duration_s / 3))
+    spread = deployment.duration_s / 2
+    outcomes = asyncio.run(_load(deployment.urls, thread, deployment.duration_s / 3, spread))
     elapsed = time.monotonic() - started
     thread.join()
     kinds = [classify(o, whole) for o, whole in zip(outcomes, deployment.undisturbed,
                                                      strict=True)]
     counts = Counter(kinds)
     stalls = sorted(o.stall_s for o in outcomes if o is not None)
-    print(f"{case}: {dict(counts)}; errors {Counter(o.finish for o in outcomes if o and o.ended_by_error)}; "
+    errors = Counter(o.finish for o in outcomes if o is not None and o.ended_by_error)
+    print(f"{case}: {dict(counts)}; errors {dict(errors)}; "
           f"stall p50 {statistics.median(stalls):.2f}s max {stalls[-1]:.2f}s; "
           f"{elapsed:.1f}s (undisturbed {deployment.duration_s:.1f}s)")
     assert lab.primary_port() != old[0], "the primary did not move"
@@ -210,3 +225,36 @@ def test_in_flight_requests_end_identical_or_with_a_definite_error(
     again = asyncio.run(_load(deployment.urls, None, 0))
     assert [o.text if o else None for o in again] == deployment.undisturbed, \
         deployment.stack.output()
+
+
+def test_an_admission_short_of_its_replicas_is_refused_and_never_runs(
+    deployment: Deployment, tiny_model: Path
+) -> None:
+    """Asked for two Redis replicas where there is one, every admission gets 503 with
+    Retry-After (the WAIT's timeout later), and the request it wrote is aborted: a worker
+    that took it meanwhile stops it, long before its end."""
+    stack = deployment.stack
+    port = free_port()
+    proc = stack.spawn("api", "--host", "127.0.0.1", "--port", str(port), "--model",
+                       str(tiny_model), "--served-model-name", MODEL,
+                       env={"REDSERVE_ADMISSION_WAIT_REPLICAS": "2",
+                            "REDSERVE_ADMISSION_WAIT_MS": "200"})
+    url = f"http://127.0.0.1:{port}"
+    client = sync_client(deployment.lab.url)
+    try:
+        stack.wait_http(120, url)
+        before = set(client.scan_iter(match=f"{stack.prefix}:*:abort"))
+        body = {**_body(0), "stream": False, "max_tokens": 400}
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "redis_unavailable"
+        # Its request was written, then aborted: no worker runs it to its end.
+        [abort] = set(client.scan_iter(match=f"{stack.prefix}:*:abort")) - before
+        state = abort.removesuffix(b":abort")
+        assert eventually(lambda: client.hget(state, "state") in (b"queued", b"aborted"), 20)
+        assert int(client.hget(state, "completion_tokens") or 0) < 400
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(20)
