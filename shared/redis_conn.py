@@ -1,8 +1,10 @@
 """Redis connections. Each process keeps two clients:
 
 - `commands`: pooled, with a socket timeout, for short commands and pipelines;
-- `blocking`: for XREAD/XREADGROUP BLOCK, with no socket timeout (redis-py's default would cut
-  a long block short) and its own connections so a block never holds up a command. Every
+- `blocking`: for XREAD/XREADGROUP BLOCK, with a socket timeout of `BLOCKING_TIMEOUT_S`, longer
+  than any block redserve asks for (so it never cuts one short) yet finite (a server that went
+  silent, a primary frozen or cut off by a partition, fails the read instead of hanging it
+  for good), and its own connections so a block never holds up a command. Every
   connection has TCP keepalive on, so one whose peer vanished is noticed eventually.
 
 `connect` is the one place a process makes them, for each of the three shapes of Redis it may
@@ -30,6 +32,9 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from shared.redis_address import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+# Above the longest BLOCK any caller passes (5 s, worker/broker/aborts.py) with a margin.
+BLOCKING_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -59,21 +64,23 @@ def connect(url: str, *, name: str, max_connections: int = 64,
     if cluster:
         return RedisClients(
             commands=_cluster(url, max_connections, 10.0, name, common),
-            blocking=_cluster(url, 4, None, f"{name}-block", common),
+            blocking=_cluster(url, 4, BLOCKING_TIMEOUT_S, f"{name}-block", common),
         )
     if is_sentinel_url(url):
         address = parse_sentinel_url(url)
         sentinel = _sentinels(address)
         return RedisClients(
             commands=_primary(sentinel, address, max_connections, 10.0, name, common),
-            blocking=_primary(sentinel, address, 4, None, f"{name}-block", common),
+            blocking=_primary(sentinel, address, 4, BLOCKING_TIMEOUT_S, f"{name}-block",
+                              common),
             sentinel=sentinel,
         )
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
     ))
     blocking = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=4, socket_timeout=None, client_name=f"{name}-block", **common
+        url, max_connections=4, socket_timeout=BLOCKING_TIMEOUT_S, client_name=f"{name}-block",
+        **common
     ))
     return RedisClients(commands=commands, blocking=blocking)
 
@@ -110,7 +117,7 @@ def _sentinels(address: SentinelAddress) -> Sentinel:
 
 
 def _primary(sentinel: Sentinel, address: SentinelAddress, max_connections: int,
-             socket_timeout: float | None, name: str, common: dict[str, Any]) -> aioredis.Redis:
+             socket_timeout: float, name: str, common: dict[str, Any]) -> aioredis.Redis:
     """A client of the primary that the Sentinels name now, whoever that is."""
     client: aioredis.Redis = sentinel.master_for(
         address.master, connection_pool_class=_BoundedSentinelPool,

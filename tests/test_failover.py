@@ -6,11 +6,13 @@ Real processes throughout: a Valkey primary, its replica and three Sentinels on 
 URL, and streams read over HTTP. Three ways the primary goes, one test each, on one shared
 deployment (the cases run in order; each leaves the lab settled again): a `SENTINEL FAILOVER`,
 the primary SIGKILLed (then started again empty, as an orchestrator would, and made a replica
-by the Sentinels), and the primary SIGSTOPped past `down-after-milliseconds` and resumed (it
-must not go on accepting: the Sentinels demote it as it wakes). Replica 0 waits for a Redis
-replica to hold each admission (`REDSERVE_ADMISSION_WAIT_REPLICAS=1`, a pipeline of the script
-and WAIT, reloaded by NOSCRIPT on the new primary like any script); replica 1 does not. Streams
-start staggered over the first half of the run, so admissions land during the failover too.
+by the Sentinels), the primary SIGSTOPped past `down-after-milliseconds` and resumed (it
+must not go on accepting: the Sentinels demote it as it wakes), and the primary frozen for the
+whole load (a partition: its connections answer nothing, until the socket timeouts).
+Replica 0 waits for a Redis replica to hold each admission
+(`REDSERVE_ADMISSION_WAIT_REPLICAS=1`, a pipeline of the script and WAIT, reloaded by NOSCRIPT
+on the new primary like any script); replica 1 does not. Streams start staggered over the
+first half of the run, so admissions land during the failover too.
 The stalls (the longest gap
 between two events of a stream) are printed with -s; ops/benchmarks/failover.py measures them.
 """
@@ -172,8 +174,11 @@ def deployment(tiny_model: Path) -> Iterator[Deployment]:
         lab.stop()
 
 
-def _disturbance(case: str, lab: FailoverLab) -> tuple[threading.Thread, list[int]]:
-    """The thread that makes the primary go, and (filled in as it runs) the old primary."""
+def _disturbance(case: str, lab: FailoverLab, load_done: threading.Event
+                 ) -> tuple[threading.Thread, list[int]]:
+    """The thread that makes the primary go, and (filled in as it runs) the old primary. A
+    frozen primary wakes only once the load has ended: meanwhile it holds every connection
+    open to it, unanswered, as a primary cut off by a partition does."""
     old: list[int] = []
 
     def run() -> None:
@@ -186,23 +191,28 @@ def _disturbance(case: str, lab: FailoverLab) -> tuple[threading.Thread, list[in
             old.append(lab.pause_primary())
         # Past down-after, until the Sentinels have promoted the replica.
         lab.wait_primary_moved(old[0])
-        if case == "pause":
-            time.sleep(0.5)
+        if case in ("pause", "freeze"):
+            if case == "pause":
+                time.sleep(0.5)
+            else:
+                load_done.wait()
             lab.resume(old[0])
 
     return threading.Thread(target=run), old
 
 
-@pytest.mark.parametrize("case", ["failover", "kill", "pause"])
+@pytest.mark.parametrize("case", ["failover", "kill", "pause", "freeze"])
 def test_in_flight_requests_end_identical_or_with_a_definite_error(
     deployment: Deployment, case: str
 ) -> None:
     lab = deployment.lab
-    thread, old = _disturbance(case, lab)
+    load_done = threading.Event()
+    thread, old = _disturbance(case, lab, load_done)
     started = time.monotonic()
     spread = deployment.duration_s / 2
     outcomes = asyncio.run(_load(deployment.urls, thread, deployment.duration_s / 3, spread))
     elapsed = time.monotonic() - started
+    load_done.set()
     thread.join()
     kinds = [classify(o, whole) for o, whole in zip(outcomes, deployment.undisturbed,
                                                      strict=True)]
