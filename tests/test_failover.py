@@ -34,7 +34,7 @@ import pytest
 
 from ops.embedded_redis import free_port
 from ops.failover_lab import FailoverLab, LabConfig
-from tests.stack import Stack, eventually, sync_client
+from tests.stack import Stack, eventually, inspect, inspect_json, sync_client
 
 MODEL = "tiny-llama"
 STREAMS = 32
@@ -235,6 +235,17 @@ def test_in_flight_requests_end_identical_or_with_a_definite_error(
     again = asyncio.run(_load(deployment.urls, None, 0))
     assert [o.text if o else None for o in again] == deployment.undisturbed, \
         deployment.stack.output()
+
+
+def test_inspect_reads_the_deployment_through_the_sentinels(deployment: Deployment) -> None:
+    """`redserve inspect`, given the same redis+sentinel:// URL, finds the current primary
+    (after the failovers above, not the one the deployment started on)."""
+    snap = inspect_json(deployment.stack)
+    [model] = snap["models"]
+    assert model["name"] == MODEL and len(model["live_workers"]) == 2
+    gone = inspect(deployment.stack,
+                   REDIS_URL=f"redis+sentinel://127.0.0.1:{free_port()}/nobody")
+    assert gone.returncode == 2 and "cannot reach Redis" in gone.stderr
 
 
 def test_an_admission_short_of_its_replicas_is_refused_and_never_runs(
