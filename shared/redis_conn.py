@@ -8,16 +8,19 @@
   connection has TCP keepalive on, so one whose peer vanished is noticed eventually.
 
 `connect` is the one place a process makes them, for each of the three shapes of Redis it may
-be given: one server (or a managed endpoint that moves: every call that finds its connection
-broken connects again, to wherever the name now points), a Redis Cluster, or a primary that
-Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`). Sentinel's pools ask the
-Sentinels for the primary on every new connection and drop a connection whose server turned
-replica (READONLY, or the UNBLOCKED error a demoted primary gives a blocked XREAD), so the next
-call lands on the new primary. No command is retried inside redis-py (no `retry` is set): a
-write whose reply was lost may have run, and only its caller knows whether running it again
-is safe, so the error goes to the caller, whose own loop retries what may be retried
-(`shared/retry.py`). A Lua script the new primary has never seen answers NOSCRIPT and redis-py's
-`Script` loads it and runs it again (`shared/scripts/base.py`): NOSCRIPT means it did not run.
+be given: one server (or a managed endpoint whose name moves to the new primary), a Redis
+Cluster, or a primary that Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`).
+A connection whose server turned replica (READONLY, or the UNBLOCKED error a demoted primary
+gives a blocked XREAD) drops itself and fails as a lost connection does, so the next call
+connects again: Sentinel's pools ask the Sentinels where the primary is now, and a plain URL's
+(`_Following`) resolves the name again; a managed endpoint that keeps the old primary up as a
+replica would otherwise answer every write on the pooled connections with READONLY.
+
+No command is retried inside redis-py (no `retry` is set): a write whose reply was lost may
+have run, and only its caller knows whether running it again is safe, so the error goes to the
+caller, whose own loop retries what may be retried (`shared/retry.py`). A Lua script the new
+primary has never seen answers NOSCRIPT and redis-py's `Script` loads it and runs it again
+(`shared/scripts/base.py`): NOSCRIPT means it did not run.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import (
+    DEMOTED_MASTER_UNBLOCKED_ERROR,
+    Sentinel,
+    SentinelConnectionPool,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 from shared.redis_address import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
@@ -75,6 +85,7 @@ def connect(url: str, *, name: str, max_connections: int = 64,
                               common),
             sentinel=sentinel,
         )
+    common["connection_class"] = _following(url)
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
     ))
@@ -94,6 +105,32 @@ def _cluster(url: str, max_connections: int, socket_timeout: float | None, name:
     client = RedisCluster.from_url(url, max_connections=max_connections,
                                    socket_timeout=socket_timeout, client_name=name, **options)
     return cast(aioredis.Redis, client)
+
+
+class _Following(aioredis.Connection):
+    """A connection to a server that may stop being the primary under its name: READONLY, or a
+    blocked read's UNBLOCKED, closes it and raises ConnectionError."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as e:
+            if isinstance(e, ReadOnlyError) or str(e).startswith(DEMOTED_MASTER_UNBLOCKED_ERROR):
+                await self.disconnect()
+                raise RedisConnectionError(f"the server is a replica now: {e}") from e
+            raise
+
+
+class _FollowingSSL(_Following, aioredis.SSLConnection):
+    pass
+
+
+def _following(url: str) -> type[aioredis.connection.AbstractConnection]:
+    """`_Following` for a TCP URL (TLS or not); a Unix socket's class as it is."""
+    base = parse_url(url).get("connection_class", aioredis.Connection)
+    if base is aioredis.SSLConnection:
+        return _FollowingSSL
+    return _Following if base is aioredis.Connection else cast(type, base)
 
 
 class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
