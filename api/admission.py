@@ -11,6 +11,13 @@ hold at most `max_per_tenant` of its places, so no single tenant can fill it and
 other tenant's requests refused. A member older than the queue timeout (and
 `QUEUE_STALE_MARGIN_S`) is stale: trimmed by the script, never counted, so a crashed process
 can never leave the queue looking full.
+
+With `Replication` on (`REDSERVE_ADMISSION_WAIT_REPLICAS`), the script and a WAIT go in one
+pipeline, on one connection (WAIT counts the replicas holding that connection's writes): a
+request whose admission too few replicas acknowledged in time raises `NotReplicated`, a
+`RedisError`, so it ends as any admission Redis failed does (aborted, 503 with Retry-After):
+Redis's replication is asynchronous, and an admission only the primary held is lost if the
+primary fails over before it is copied, while its client waits for a request no worker will see.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import redis.asyncio as aioredis
 from api.limits.bucket import BucketReply, Charge
 from shared.keys import QUEUE_STALE_MARGIN_S, Keys
 from shared.messages import GenerateRequest
-from shared.scripts.admit import ADMIT, AdmitArgs, AdmitKeys, AdmitStatus
+from shared.scripts.admit import ADMIT, AdmitArgs, AdmitKeys, AdmitReply, AdmitStatus
 from shared.scripts.handoff import ModelQueue
 from shared.scripts.limits import NO_LIMIT
 
@@ -37,6 +44,19 @@ class Admitted:
     limits: BucketReply | None
 
 
+class NotReplicated(aioredis.RedisError):
+    """Fewer replicas than asked for acknowledged an admission in time."""
+
+
+@dataclass(frozen=True)
+class Replication:
+    replicas: int  # 0: an admission is answered without waiting for any
+    timeout_ms: int
+
+
+NO_WAIT = Replication(0, 1)
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_requests: int
@@ -47,8 +67,10 @@ class QueueLimits:
 
 class Admission:
     def __init__(self, redis: aioredis.Redis, keys: Keys, limits: QueueLimits,
-                 request_ttl_s: int) -> None:
+                 request_ttl_s: int, replication: Replication = NO_WAIT) -> None:
+        self._redis = redis
         self._script = ADMIT.bind(redis)
+        self._replication = replication
         self.keys = keys
         self.limits = limits
         self.request_ttl_s = request_ttl_s
@@ -62,7 +84,7 @@ class Admission:
         limits = self.limits
         oldest_ms = int((now - self.request_ttl_s) * 1000)
         model = request.model
-        reply = await self._script(
+        reply = await self._run(
             AdmitKeys.of(ModelQueue.of(self.keys, model),
                          bucket=self.keys.limits(model, request.tenant)),
             AdmitArgs(now=now, stale_before=now - limits.timeout_s - QUEUE_STALE_MARGIN_S,
@@ -75,6 +97,20 @@ class Admission:
                       limit=charge.args() if charge else NO_LIMIT))
         bucket = BucketReply.of(charge, reply) if charge and charge.limited else None
         return Admitted(self._why(reply.status), bucket)
+
+    async def _run(self, keys: AdmitKeys, args: AdmitArgs) -> AdmitReply:
+        """The script, then (if asked) WAIT on its connection."""
+        wanted = self._replication
+        if not wanted.replicas:
+            return await self._script(keys, args)
+        pipe = self._redis.pipeline(transaction=False)
+        await self._script.queue(pipe, keys, args)
+        pipe.wait(wanted.replicas, wanted.timeout_ms)
+        raw, acknowledged = await pipe.execute()
+        if acknowledged < wanted.replicas:
+            raise NotReplicated(f"{acknowledged} of {wanted.replicas} Redis replicas "
+                                f"acknowledged the admission within {wanted.timeout_ms} ms")
+        return ADMIT.parse(raw)
 
     def _why(self, status: AdmitStatus) -> str | None:
         """The queue's refusal (None: admitted, or refused by a limit, which the bucket's

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from api.admission import Admission, QueueLimits
+from api.admission import Admission, QueueLimits, Replication
 from api.context import AppContext, Live, ServedModel
 from api.limits.reservation import RateLimits
 from api.metrics import APIMetrics, QueueDepths
@@ -104,7 +104,8 @@ def queue_admission(clients: RedisClients, keys: Keys, settings: ApiSettings) ->
     """The queue's admission, bounded as the settings say."""
     limits = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens,
                          settings.queue_timeout_s, settings.max_queued_per_tenant)
-    return Admission(clients.commands, keys, limits, settings.request_ttl_s)
+    return Admission(clients.commands, keys, limits, settings.request_ttl_s,
+                     Replication(settings.admission_wait_replicas, settings.admission_wait_ms))
 
 
 def on_slow_client(live: Live, metrics: APIMetrics, settings: ApiSettings

@@ -25,7 +25,7 @@ import httpx
 from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
 from shared.models import ModelInfo, ModelNotFound, resolve_models
-from shared.redis_conn import location
+from shared.redis_address import public
 from shared.settings import ApiSettings, WorkerSettings
 
 # `up` names each model on its children's command lines; the same settings in its environment
@@ -162,7 +162,7 @@ def _say_if_redis_is_down(url: str) -> None:
         client.ping()
     except redis.RedisError as e:
         log.warning("Redis at %s does not answer yet (%s); the replicas and workers wait for "
-                    "it", location(url), e)
+                    "it", public(url), e)
     finally:
         client.close()
 

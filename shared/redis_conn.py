@@ -1,32 +1,64 @@
 """Redis connections. Each process keeps two clients:
 
 - `commands`: pooled, with a socket timeout, for short commands and pipelines;
-- `blocking`: for XREAD/XREADGROUP BLOCK, with no socket timeout (redis-py's default would cut
-  a long block short) and its own connections so a block never holds up a command. Every
+- `blocking`: for XREAD/XREADGROUP BLOCK, with a socket timeout of `BLOCKING_TIMEOUT_S`, longer
+  than any block redserve asks for (so it never cuts one short) yet finite (a server that went
+  silent, a primary frozen or cut off by a partition, fails the read instead of hanging it
+  for good), and its own connections so a block never holds up a command. Every
   connection has TCP keepalive on, so one whose peer vanished is noticed eventually.
+
+`connect` is the one place a process makes them, for each of the three shapes of Redis it may
+be given: one server (or a managed endpoint whose name moves to the new primary), a Redis
+Cluster, or a primary that Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`).
+A connection whose server turned replica (READONLY, or the UNBLOCKED error a demoted primary
+gives a blocked XREAD) drops itself and fails as a lost connection does, so the next call
+connects again: Sentinel's pools ask the Sentinels where the primary is now, and a plain URL's
+(`_Following`) resolves the name again; a managed endpoint that keeps the old primary up as a
+replica would otherwise answer every write on the pooled connections with READONLY.
+
+No command is retried inside redis-py (no `retry` is set): a write whose reply was lost may
+have run, and only its caller knows whether running it again is safe, so the error goes to the
+caller, whose own loop retries what may be retried (`shared/retry.py`). A Lua script the new
+primary has never seen answers NOSCRIPT and redis-py's `Script` loads it and runs it again
+(`shared/scripts/base.py`): NOSCRIPT means it did not run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import (
+    DEMOTED_MASTER_UNBLOCKED_ERROR,
+    Sentinel,
+    SentinelConnectionPool,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, ResponseError
+
+from shared.redis_address import SentinelAddress, is_sentinel_url, parse_sentinel_url, public
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+# Above the longest BLOCK any caller passes (5 s, worker/broker/aborts.py) with a margin.
+BLOCKING_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
 class RedisClients:
     commands: aioredis.Redis
     blocking: aioredis.Redis
-    where: str = ""  # the server, as a log line may name it (`location`)
+    sentinel: Sentinel | None = None  # the Sentinels both ask, when Sentinel finds the primary
+    where: str = ""  # the URL, its passwords masked: what a log line names
 
     async def close(self) -> None:
         await self.commands.aclose()
         await self.blocking.aclose()
+        if self.sentinel is not None:
+            await self.sentinel.aclose()
 
 
 def connect(url: str, *, name: str, max_connections: int = 64,
@@ -43,24 +75,27 @@ def connect(url: str, *, name: str, max_connections: int = 64,
     if cluster:
         return RedisClients(
             commands=_cluster(url, max_connections, 10.0, name, common),
-            blocking=_cluster(url, 4, None, f"{name}-block", common),
-            where=location(url),
+            blocking=_cluster(url, 4, BLOCKING_TIMEOUT_S, f"{name}-block", common),
+            where=public(url),
         )
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        sentinel = _sentinels(address)
+        return RedisClients(
+            commands=_primary(sentinel, address, max_connections, 10.0, name, common),
+            blocking=_primary(sentinel, address, 4, BLOCKING_TIMEOUT_S, f"{name}-block",
+                              common),
+            sentinel=sentinel, where=public(url),
+        )
+    common["connection_class"] = _following(url)
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=10.0, client_name=name, **common
     ))
     blocking = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=4, socket_timeout=None, client_name=f"{name}-block", **common
+        url, max_connections=4, socket_timeout=BLOCKING_TIMEOUT_S, client_name=f"{name}-block",
+        **common
     ))
-    return RedisClients(commands=commands, blocking=blocking, where=location(url))
-
-
-def location(url: str) -> str:
-    """Where `url` points, without its credentials: `host:port`, or a socket's path."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return parts.path
-    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+    return RedisClients(commands=commands, blocking=blocking, where=public(url))
 
 
 def _cluster(url: str, max_connections: int, socket_timeout: float | None, name: str,
@@ -72,6 +107,63 @@ def _cluster(url: str, max_connections: int, socket_timeout: float | None, name:
     client = RedisCluster.from_url(url, max_connections=max_connections,
                                    socket_timeout=socket_timeout, client_name=name, **options)
     return cast(aioredis.Redis, client)
+
+
+class _Following(aioredis.Connection):
+    """A connection to a server that may stop being the primary under its name: READONLY, or a
+    blocked read's UNBLOCKED, closes it and raises ConnectionError."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as e:
+            if isinstance(e, ReadOnlyError) or str(e).startswith(DEMOTED_MASTER_UNBLOCKED_ERROR):
+                await self.disconnect()
+                raise RedisConnectionError(f"the server is a replica now: {e}") from e
+            raise
+
+
+class _FollowingSSL(_Following, aioredis.SSLConnection):
+    pass
+
+
+def _following(url: str) -> type[aioredis.connection.AbstractConnection]:
+    """`_Following` for a TCP URL (TLS or not); a Unix socket's class as it is."""
+    base = parse_url(url).get("connection_class", aioredis.Connection)
+    if base is aioredis.SSLConnection:
+        return _FollowingSSL
+    return _Following if base is aioredis.Connection else cast(type, base)
+
+
+class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (it finds the primary) with the blocking pool's bound (a burst waits
+    for a free connection): the two only meet in `ConnectionPool`, so the mix is sound."""
+
+
+# Asking a Sentinel is short: one that does not answer in this long is skipped for the next.
+SENTINEL_TIMEOUT_S = 0.5
+
+
+def _sentinels(address: SentinelAddress) -> Sentinel:
+    """The Sentinels, asked in turn (one that fails is skipped) for the primary's address."""
+    return Sentinel(
+        list(address.sentinels), min_other_sentinels=0,
+        sentinel_kwargs={"socket_connect_timeout": SENTINEL_TIMEOUT_S,
+                         "socket_timeout": SENTINEL_TIMEOUT_S, "protocol": 2, "ssl": address.tls,
+                         "username": address.sentinel_username,
+                         "password": address.sentinel_password},
+    )
+
+
+def _primary(sentinel: Sentinel, address: SentinelAddress, max_connections: int,
+             socket_timeout: float, name: str, common: dict[str, Any]) -> aioredis.Redis:
+    """A client of the primary that the Sentinels name now, whoever that is."""
+    client: aioredis.Redis = sentinel.master_for(
+        address.master, connection_pool_class=_BoundedSentinelPool,
+        max_connections=max_connections, socket_timeout=socket_timeout, client_name=name,
+        db=address.db, username=address.username, password=address.password,
+        ssl=address.tls, **common)
+    return client
 
 
 def stream_reply(reply: object) -> list[tuple[bytes, StreamEntries]]:

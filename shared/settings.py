@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.redis_address import is_sentinel_url, parse_sentinel_url
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -28,6 +30,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, validation_alias=AliasChoices("REDSERVE_REDIS_URL", "REDIS_URL", "redis_url")
     )
+    # `redis+sentinel://host:port[,host:port...]/<master name>`: a primary that Sentinel fails
+    # over (shared/redis_address.py).
     # `redis_url` names a node of a Redis Cluster (every request's keys share one slot).
     redis_cluster: bool = False
     key_prefix: str = Field(default="rs", pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -66,6 +70,13 @@ class Settings(BaseSettings):
     def _any_case(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _sentinel_url_parses(cls, value: str | None) -> str | None:
+        if value is not None and is_sentinel_url(value):
+            parse_sentinel_url(value)
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _default_model_unless_a_file_names_them(cls, data: Any) -> Any:
@@ -82,6 +93,9 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"need queue_timeout_s ({self.queue_timeout_s:g}) <= request_timeout_s "
                 f"({self.request_timeout_s:g}) <= request_ttl_s ({self.request_ttl_s})")
+        if self.redis_cluster and self.redis_url and is_sentinel_url(self.redis_url):
+            raise ValueError("a Sentinel URL names a primary and its replicas, not a Cluster: "
+                             "unset redis_cluster")
         return self
 
 
@@ -97,6 +111,11 @@ class ApiSettings(Settings):
     # Of those, the most one tenant (API key owner) may hold at once.
     max_queued_per_tenant: int = Field(default=128, ge=1)
     max_queued_tokens: int = Field(default=1_000_000, ge=1)
+    # Opt-in: a request is answered only once this many Redis replicas hold its admission
+    # (WAIT, up to `admission_wait_ms`), so a failover cannot lose a request a client was told
+    # was accepted; short of that it ends with 503 (docs/operations.md#redis-failover). 0: off.
+    admission_wait_replicas: int = Field(default=0, ge=0)
+    admission_wait_ms: int = Field(default=100, ge=1)
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     # API keys (see api/auth/keys.py): comma-separated `tenant:key` or bare keys, and/or a file of

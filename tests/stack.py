@@ -16,11 +16,13 @@ from typing import Any, Protocol
 
 import redis
 from redis.cluster import RedisCluster
+from redis.sentinel import Sentinel
 
 from ops.embedded_redis import free_port
 from ops.probe import scrape, wait_healthy
 from shared.keys import Keys, replica_of
 from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
+from shared.redis_address import is_sentinel_url, parse_sentinel_url
 
 
 def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:
@@ -130,7 +132,7 @@ class Stack:
         # On a cluster, SCAN must visit every node.
         r = (RedisCluster.from_url(self.redis_url)
              if self.env.get("REDSERVE_REDIS_CLUSTER") == "true"
-             else redis.Redis.from_url(self.redis_url))
+             else sync_client(self.redis_url))
         try:
             ok = eventually(
                 lambda: len(list(r.scan_iter(match=f"{self.prefix}:worker:*"))) >= self.workers
@@ -160,6 +162,16 @@ class Stack:
                 p.wait()
         for log in self.logs:
             log.unlink(missing_ok=True)
+
+
+def sync_client(url: str) -> redis.Redis:
+    """A client of the Redis `url` names: a server, or the primary a redis+sentinel:// URL's
+    Sentinels name."""
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url)
+    address = parse_sentinel_url(url)
+    return Sentinel(list(address.sentinels), socket_timeout=2.0).master_for(
+        address.master, db=address.db, socket_timeout=2.0)
 
 
 def queued_requests(r: redis.Redis, stream: str, n: int, timeout: float = 10.0

@@ -187,7 +187,7 @@ def test_client_disconnect_aborts_the_request_on_the_worker(
     tiny_stack: Stack, sync_redis: redis.Redis
 ) -> None:
     body = {"model": MODEL, "prompt": "count forever", "max_tokens": 500, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "speculation": False}  # long enough to hang up on
     with httpx.stream("POST", f"{tiny_stack.base_url}/v1/completions", json=body) as response:
         request_id = response.headers["x-request-id"]
         for line in response.iter_lines():

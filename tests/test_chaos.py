@@ -53,8 +53,10 @@ def _body(i: int, model: str = MODEL, max_tokens: int = 300) -> dict[str, object
             "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def _stream_text(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[str, str]:
-    """The streamed text and the finish reason (or the error event's code)."""
+async def _stream_text(client: httpx.AsyncClient, body: dict[str, object],
+                       started: asyncio.Event | None = None) -> tuple[str, str]:
+    """The streamed text and the finish reason (or the error event's code); `started` is set
+    at the first text."""
     parts: list[str] = []
     finish = ""
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -67,6 +69,8 @@ async def _stream_text(client: httpx.AsyncClient, body: dict[str, object]) -> tu
                 return "".join(parts), event["error"]["code"]
             choice = event["choices"][0]
             parts.append(choice["text"])
+            if started is not None and choice["text"]:
+                started.set()
             finish = choice["finish_reason"] or finish
     return "".join(parts), finish
 
@@ -266,13 +270,16 @@ def test_redis_outage_fails_fast_then_service_returns_without_restarts(tiny_mode
     url = server.start()
     stack = Stack(url, tiny_model, served_name=MODEL,
                   env={"REDSERVE_HEARTBEAT_TTL_S": "2"}).start()
-    body = {**_body(0), "max_tokens": 400}
+    # Speculation off: the tiny model repeats itself at temperature 0, and its drafts would end
+    # the streams before Redis stops.
+    body = {**_body(0), "max_tokens": 400, "speculation": False}
     try:
         async def open_streams_then_stop_redis() -> list[tuple[str, str]]:
+            started = [asyncio.Event() for _ in range(4)]
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-                streams = [asyncio.create_task(_stream_text(client, {**body, "prompt": [i + 3]}))
-                           for i in range(4)]
-                await asyncio.sleep(0.5)
+                streams = [asyncio.create_task(_stream_text(
+                    client, {**body, "prompt": [i + 3]}, started[i])) for i in range(4)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
                 server.stop()
                 return await asyncio.gather(*streams)
 

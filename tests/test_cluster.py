@@ -115,7 +115,8 @@ def test_requests_stream_cancel_and_resume_on_a_cluster(cluster_url: str,
         # A queued request cancelled through the other replica ends as aborted.
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(httpx.post, f"{stack.url(0)}/v1/completions", timeout=60,
-                               json={**body, "max_tokens": 400, "stream": False}, headers=auth)
+                               headers=auth, json={**body, "max_tokens": 400, "stream": False,
+                                                  "speculation": False})
             requests = Keys(stack.prefix).requests(MODEL)
             assert eventually(lambda: cluster.xpending(requests, "workers")["pending"] == 1)
             with httpx.stream("POST", f"{stack.url(0)}/v1/completions", json=body,

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
-from tests.marks import KERNELS
+from tests.marks import KERNELS_BF16
 from tests.stack import child_env
 from worker.engine.checkpoint import UnsupportedCheckpoint, check_config
 from worker.engine.chunk import Chunk
@@ -136,7 +136,7 @@ def _logprobs(model: PreTrainedModel, prompt: list[int], continuation: list[int]
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("kernels", KERNELS_BF16)
 def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
                                                            bf16: PreTrainedModel,
                                                            kernels: str) -> None:

@@ -38,8 +38,10 @@ from tests.test_cluster import cluster_url  # noqa: F401 (the three-node cluster
 
 MODEL = "tiny-llama"
 TTL_S = 3  # the worker's heartbeat TTL
+# Speculation off: at temperature 0 the tiny model repeats itself, and its drafts would end a
+# request meant to stay busy within a few steps.
 LONG = {"model": MODEL, "prompt": "count", "max_tokens": 480, "ignore_eos": True,
-        "temperature": 0}
+        "temperature": 0, "speculation": False}
 OBSERVABILITY = Path(__file__).resolve().parent.parent / "docs" / "observability.md"
 REDIS_CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
 

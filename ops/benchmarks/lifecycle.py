@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
@@ -52,14 +52,15 @@ PREFIX = "rsbench"
 
 
 @contextmanager
-def running_stack(model: str, served: str, env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
-    """(API base URL, Redis URL, API pid) of a fresh `redserve up`."""
+def running_stack(model: str, served: str, env: dict[str, str],
+                  options: Sequence[str] = ()) -> Iterator[tuple[str, str, int]]:
+    """(API base URL, Redis URL, API pid) of a fresh `redserve up` given `options`."""
     redis_server = EmbeddedRedis()
     redis_url = redis_server.start()
     port = free_port()
     full_env = {**os.environ, **env, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": PREFIX}
     up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
-                           "--model", model, "--served-model-name", served],
+                           "--model", model, "--served-model-name", served, *options],
                           env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True)
     base = f"http://127.0.0.1:{port}"

