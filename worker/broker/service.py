@@ -124,7 +124,7 @@ class WorkerService:
         tasks = [asyncio.create_task(self.presence.run()),
                  asyncio.create_task(self.aborts.listen(self.clients.blocking))]
         intake = asyncio.create_task(self.intake.run())
-        log.info("worker %s serving %s on %s in %s", self.name, self.info.name,
+        log.info("ready: worker %s serving %s on %s in %s", self.name, self.info.name,
                  self.engine.runner.device, dtype_name(self.engine.runner.kv_shape.dtype))
         try:
             await self._serve()

@@ -1,0 +1,48 @@
+"""Processes sharing one cache directory convert the default model once: a compose stack's two
+API replicas and its worker start together on one fresh volume, and only the first to take the
+lock converts; the others wait and load what it wrote. Here the test holds the lock (as a
+converting process would), a real second process resolves the default model meanwhile, and it
+must wait, then take the checkpoint that appeared rather than convert again."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from shared.models import conversion_lock
+from shared.settings import DEFAULT_MODEL
+from tests.stack import eventually
+
+ROOT = Path(__file__).resolve().parents[1]
+RESOLVE = ("import logging, sys; from pathlib import Path; "
+           "from shared.models import resolve_model; "
+           "logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+           "print(resolve_model(sys.argv[1], Path(sys.argv[2])).path)")
+
+
+def test_a_second_process_waits_for_the_conversion_and_converts_nothing(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    cache = tmp_path / "cache"
+    target = cache / "models" / DEFAULT_MODEL
+    target.parent.mkdir(parents=True)
+    log = tmp_path / "second.log"
+    with conversion_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
+        with log.open("w") as err:
+            second = subprocess.Popen([sys.executable, "-c", RESOLVE, DEFAULT_MODEL, str(cache)],
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert eventually(lambda: "waiting for it" in log.read_text(), 60), log.read_text()
+            assert second.poll() is None  # it waits while the lock is held
+            # What the converting process would leave: a complete checkpoint.
+            shutil.copytree(tiny_model, target)
+        except BaseException:
+            second.kill()
+            raise
+    out, _ = second.communicate(timeout=60)
+    assert second.returncode == 0, log.read_text()
+    assert Path(out.strip()) == target
+    assert ".gguf into" not in log.read_text()  # the converting line: it never converted
+    assert not list(target.parent.glob(".convert-*"))
