@@ -101,6 +101,9 @@ def test_up_in_json_writes_only_json_without_access_log_or_request_text(
     assert {"redserve.up", "redserve.api", "redserve.worker", "uvicorn.error"} <= loggers
     assert any(r["msg"].startswith("Uvicorn running on") for r in records)
     [ready] = [r for r in records if r.get("event") == "up.ready"]
+    # Each process says once, on one line, that it serves: `up`, the replica, the worker.
+    said_ready = sorted(r["logger"] for r in records if r["msg"].startswith("ready: "))
+    assert said_ready == ["redserve.api", "redserve.up", "redserve.worker"], said_ready
     assert "ready" in ready["msg"] and ready["models"] == ["tiny"]
     assert any(r.get("event") == "up.stopping" for r in records)
     # An event's fields are keys of its line.
