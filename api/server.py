@@ -30,8 +30,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             ctx = self.app.state.ctx
-            log.info("ready: replica %s serving %s on http://%s:%d", ctx.replica,
-                     ", ".join(ctx.models), self.config.host, self.config.port)
+            log.info("ready: replica %s listening on http://%s:%d for %s", ctx.replica,
+                     self.config.host, self.config.port, ", ".join(ctx.models))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining is not None or not self.started:

@@ -138,8 +138,10 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     # What the dependency steps may depend on: pyproject.toml alone, never the source.
     before = [args for op, args in steps[:max(installs)] if op == "COPY"]
     assert all(args.split()[0] == "pyproject.toml" for args in before), before
+    # torch from the named index alone (no silent fall-back to PyPI's CUDA build), then its
+    # dependencies.
     [torch] = [args for op, args in steps if op == "RUN" and '"$TORCH"' in args]
-    assert '--extra-index-url "$TORCH_INDEX"' in torch
+    assert '--no-deps --index-url "$TORCH_INDEX" "$TORCH"' in torch
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     assert compose["x-redserve"]["build"]["args"]["TORCH_INDEX"] == "${TORCH_INDEX:-}"
 

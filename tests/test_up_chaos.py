@@ -68,7 +68,8 @@ def test_worker_killed_every_few_seconds_under_up_loses_and_changes_nothing(
                                "--model", str(tiny_model), "--served-model-name", MODEL],
                               env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        assert eventually(lambda: "ready" in log.read_text() or up.poll() is not None, 120)
+        assert eventually(lambda: "ready: http" in log.read_text() or up.poll() is not None,
+                          120)
         assert up.poll() is None, log.read_text()
         undisturbed = asyncio.run(_run_all(url))
 
