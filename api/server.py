@@ -1,7 +1,7 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT drains (see `api.app.drain`) before uvicorn's
 own shutdown and the process exits 0, as a completed drain should; a second signal stops at
-once, the way uvicorn does. Once it listens it logs one `ready:` line (what an operator watching
-`docker compose logs` waits for; the worker logs its own)."""
+once, the way uvicorn does. Once it listens and Redis answers it logs one `ready:` line (what an
+operator watching `docker compose logs` waits for; the worker logs its own)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,20 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.grace_s = grace_s
         self._draining: asyncio.Task[None] | None = None
+        self._ready_line: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            ctx = self.app.state.ctx
-            log.info("ready: replica %s listening on http://%s:%d for %s", ctx.replica,
-                     self.config.host, self.config.port, ", ".join(ctx.models))
+            self._ready_line = asyncio.get_running_loop().create_task(self._say_ready())
+
+    async def _say_ready(self) -> None:
+        """The `ready:` line, once the replica listens and Redis answers (a replica started
+        before Redis listens first, its /ready 503 until then)."""
+        ctx = self.app.state.ctx
+        await ctx.reader.until_connected()
+        log.info("ready: replica %s listening on http://%s:%d for %s", ctx.replica,
+                 self.config.host, self.config.port, ", ".join(ctx.models))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining is not None or not self.started:

@@ -64,6 +64,9 @@ def test_a_replica_started_before_redis_waits_then_serves(tiny_model: Path) -> N
         # One line said what it waits for, and one that it serves: no traceback.
         said = stack.output()
         assert said.count("does not answer") == 1 and "answers; serving" in said, said
+        # The replica's ready line waits for Redis, though it listened before.
+        assert said.count("ready: replica") == 1, said
+        assert said.index("answers; serving") < said.index("ready: replica"), said
         assert "Traceback" not in said, said
     finally:
         stack.stop()
@@ -98,7 +101,7 @@ def test_up_against_an_external_redis_not_up_yet_waits_for_it(tiny_model: Path,
         assert "does not answer yet" in said() and "restarting in" not in said()
         assert " ready: " not in said()
         redis_server.start()
-        assert eventually(lambda: " ready: " in said(), 60), said()
+        assert eventually(lambda: " ready: http" in said(), 60), said()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
         reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
