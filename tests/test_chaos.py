@@ -40,7 +40,7 @@ from shared.messages import (
     decode_result,
 )
 from shared.settings import DEFAULT_MODEL
-from tests.marks import needs_native
+from tests.marks import needs_native_bf16
 from tests.stack import Stack, eventually, publish
 
 MODEL = "tiny-llama"
@@ -90,7 +90,7 @@ async def _run_all(base_url: str, model: str = MODEL, max_tokens: int = 300
     ("tiny_model", 300, {"REDSERVE_DTYPE": "float32", "REDSERVE_KERNELS": "torch"}),
     pytest.param(("smollm2", 96, {"REDSERVE_DTYPE": "bfloat16",
                                   "REDSERVE_BATCH_INVARIANT": "true"}),
-                 marks=[needs_native, pytest.mark.smollm2])],
+                 marks=[needs_native_bf16, pytest.mark.smollm2])],
     ids=["fp32-torch", "bf16-batch-invariant"])
 def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
     redis_url: str, sync_redis: redis.Redis, request: pytest.FixtureRequest,

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from shared.messages import GenerateRequest, SamplingParams
-from tests.marks import KERNELS, needs_native
+from tests.marks import KERNELS, needs_native_bf16
 from worker.engine.engine import Engine, EngineConfig, StepOutput
 from worker.engine.kv_cache import KVPool
 from worker.engine.model_runner import ModelRunner
@@ -103,7 +103,7 @@ def test_greedy_with_speculation_is_greedy_without_it(kernels: str) -> None:
         assert outs[-1].finish == "length" and outs[-1].completion_tokens == 60
 
 
-@needs_native
+@needs_native_bf16
 def test_batch_invariant_speculation_gives_the_same_bits_at_bf16() -> None:
     model = _model(dtype=torch.bfloat16)
     requests = [_request(i, p, logprobs=2) for i, p in enumerate(PROMPTS)]
