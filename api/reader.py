@@ -75,6 +75,9 @@ GAP_POLL_S = 0.2
 # How often the feed's TTL is refreshed (and its loss noticed).
 FEED_CHECK_S = 5.0
 RESTART_PAUSE_S = 0.1
+# Stopping: each cancellation of the loop is given this long to end it, this many times.
+STOP_WAIT_S = 0.5
+STOP_TRIES = 20
 LOST = Error("some of the request's results are missing from its stream (lost when Redis "
              "failed)", "server_error", "redis_unavailable")
 MALFORMED = Error("the worker sent a malformed result entry", "server_error", "malformed_result")
@@ -212,10 +215,18 @@ class ResultReader:
         return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Cancel the loop and wait for it to end. A cancellation can be lost inside redis-py
+        (seen with redis-py 8 on Python 3.11: the loop went on blocked in a read, and the
+        replica's shutdown waited on it for good), so it is repeated until the loop ends."""
+        task = self._task
+        if task is None:
+            return
+        for _ in range(STOP_TRIES):
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=STOP_WAIT_S)
+            if done:
+                return
+        log.warning("the result reader did not stop after %d cancellations", STOP_TRIES)
 
     def open(self, request_id: str) -> Subscription:
         sub = Subscription(request_id, self.keys.out(request_id), asyncio.Queue(self.buffer))

@@ -43,6 +43,9 @@ async def collect_unless_disconnected(
         gone.cancel()
         if not collect.done():
             collect.cancel()
+            # Ended before it returns: `cancel` only asks, and reading the result of a task
+            # still running raised InvalidStateError when a client hung up.
+            await asyncio.wait([collect])
     if collect.cancelled():
         return {}  # nobody is listening for this reply
     return collect.result()
