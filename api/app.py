@@ -15,6 +15,7 @@ from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext
 from api.lifespan import SHUTDOWN_ERROR, Lifespan
 from api.metrics import APIMetrics, CountResponses
+from shared import tracing
 from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies, tenant_policies
 
@@ -63,6 +64,19 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
                        body_timeout_s=settings.body_timeout_s)
     # Added last, so outermost: it sees the guard's refusals too.
     app.add_middleware(CountResponses, metrics=metrics)
+    if tracing.enabled():
+        trace_requests(app)
+
+
+def trace_requests(app: FastAPI) -> None:
+    """Outermost of all when tracing is on (shared/tracing.py): one server span per HTTP
+    request, a child of the client's `traceparent` if it sent one, covering a stream to its
+    end. No span per ASGI message (one per SSE event would be its cost), none for the probes
+    and the metrics scrape."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    app.add_middleware(OpenTelemetryMiddleware, exclude_spans=["receive", "send"],
+                       excluded_urls="/health,/ready,/metrics")
 
 
 def load_policies(settings: ApiSettings, api_keys: APIKeys) -> TenantPolicies:

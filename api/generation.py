@@ -29,6 +29,7 @@ from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer, abort_cause
 from api.reader import Subscription
 from api.resume import StreamView
+from api.trace import ReplyTrace
 from shared.aborts import stage_aborts
 from shared.messages import (
     Error,
@@ -46,6 +47,7 @@ from shared.messages import (
 log = logging.getLogger("redserve.api")
 
 CLOSED = Error("the request was closed", "server_error", "closed")
+_NO_SPAN = contextlib.nullcontext()
 # How often a request waiting for its next entry looks whether its model still has a live
 # worker (the view itself is refreshed every second: api/worker_watch.py).
 WATCH_S = 1.0
@@ -67,8 +69,11 @@ class Phase(Enum):
 class Generation:
     def __init__(self, ctx: AppContext, request: GenerateRequest, siblings: int = 0,
                  view: StreamView | None = None, streaming: bool = False,
-                 reservation: Reservation | None = None, charges: bool = False) -> None:
+                 reservation: Reservation | None = None, charges: bool = False,
+                 trace: ReplyTrace | None = None) -> None:
         self.ctx = ctx
+        self.trace = trace  # its reply's, when traced (api/trace.py)
+        self._admitted_at = 0.0  # when the admission script queued it (for the trace)
         self.request = request
         self.siblings = siblings  # other choices of the same reply: `<id>-1` .. `<id>-<n-1>`
         self.view = view  # set for a resumable stream
@@ -107,10 +112,12 @@ class Generation:
         self._phase = Phase.OPENED
         charge = self.reservation.charge if self.reservation and self.charges else None
         try:
-            await self._write_hash()
-            self._phase = Phase.ENQUEUED  # from here on it may be on the stream (even if the
-            # script fails)
-            admitted = await self.ctx.admission.try_enqueue(self.request, charge)
+            with _NO_SPAN if self.trace is None else self.trace.admit(self.request.id):
+                await self._write_hash()
+                self._phase = Phase.ENQUEUED  # from here on it may be on the stream (even if
+                # the script fails)
+                admitted = await self.ctx.admission.try_enqueue(self.request, charge)
+            self._admitted_at = time.time()
         except aioredis.RedisError as e:
             self.outcome = "redis_unavailable"
             await self.close()
@@ -131,7 +138,8 @@ class Generation:
             state=RequestState.QUEUED, model=req.model, tenant=req.tenant, created=req.created,
             prompt_tokens=len(req.prompt_ids), replica=ctx.replica,
             choices=max(self.siblings, 1), streaming=self.streaming,
-            stream=None if self.view is None else self.view.to_json())
+            stream=None if self.view is None else self.view.to_json(),
+            trace=None if self.trace is None else self.trace.traceparent)
         pipe = ctx.clients.commands.pipeline(transaction=False)
         pipe.hset(state_key, mapping=record.to_fields())  # type: ignore[arg-type]
         pipe.expire(state_key, ctx.settings.request_ttl_s)
@@ -220,6 +228,8 @@ class Generation:
         self._heard = time.time()
         if self._phase is Phase.ENQUEUED:
             self._phase = Phase.STARTED
+            if self.trace is not None and not sub.failed:
+                self.trace.queue_wait(self.request.id, self._admitted_at, self._heard)
         if not sub.failed:
             if self.timer is not None:
                 self.timer.entry(self.request.id, entry)

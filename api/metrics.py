@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,6 +37,9 @@ from shared.keys import QUEUE_STALE_MARGIN_S
 from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
 from shared.messages import Finish, ResultEntry, Tokens
+
+if TYPE_CHECKING:
+    from api.trace import ReplyTrace
 
 log = logging.getLogger("redserve.api.requests")
 
@@ -165,8 +169,10 @@ class ReplyTimer:
     closes, the reply's duration is observed and its `request.finished` event logged."""
 
     def __init__(self, metrics: APIMetrics, *, request_id: str, tenant: str, model: str,
-                 stream: bool, created: float, prompt_tokens: int, choices: int) -> None:
+                 stream: bool, created: float, prompt_tokens: int, choices: int,
+                 trace: ReplyTrace | None = None) -> None:
         self.metrics = metrics
+        self.trace = trace
         self.request_id = request_id
         self.tenant = tenant
         self.model = model
@@ -231,6 +237,11 @@ class ReplyTimer:
                   completion_tokens=sum(self._tokens.values()),
                   outcome=reply_outcome, queue_s=round_s(self.queue_s),
                   ttft_s=round_s(self.ttft_s), e2e_s=round_s(e2e))
+        if self.trace is not None:
+            self.trace.ended(prompt_tokens=self.prompt_tokens,
+                             completion_tokens=sum(self._tokens.values()),
+                             outcome=reply_outcome, queue_s=self.queue_s, ttft_s=self.ttft_s,
+                             e2e_s=e2e)
 
 
 

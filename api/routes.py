@@ -17,6 +17,8 @@ from api.responses import json_response
 from api.resume import StreamView, last_event_id
 from api.serving import generate, prepare, resume
 from api.tokenization import chat_prompt_ids
+from api.trace import resumed
+from shared import tracing
 from shared.aborts import stage_aborts
 from shared.keys import is_request_id
 from shared.messages import RequestHash, RequestState
@@ -57,7 +59,8 @@ async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
     result stream lives. Only its tenant may."""
     ctx = _ctx(request)
-    raw_view = (await _owned_state(ctx, request_id, request)).stream
+    record = await _owned_state(ctx, request_id, request)
+    raw_view = record.stream
     if raw_view is None:
         raise APIError(400, f"request {request_id!r} is not a single-choice stream, so it "
                        "cannot be resumed", param="request_id", code="not_resumable")
@@ -75,6 +78,7 @@ async def resume_stream(request_id: str, request: Request) -> Response:
                                        ex=ctx.settings.request_ttl_s)
     except aioredis.RedisError as e:
         raise _state_unavailable(e) from e
+    resumed(record.trace, request_id, after)
     return resume(ctx, model, request_id, view, after)
 
 
@@ -82,7 +86,8 @@ async def resume_stream(request_id: str, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     model = _served(ctx, body.model)
-    prompt_ids = await chat_prompt_ids(model, body)
+    with tracing.span("redserve.tokenize"):
+        prompt_ids = await chat_prompt_ids(model, body)
     prepared = await prepare(model, body, [prompt_ids])
     return await generate(ctx, request, prepared, "chat", _tenant(request))
 
@@ -92,8 +97,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     model = _served(ctx, body.model)
     body.check_prompts(model)
-    prompts = [await model.codec.encode_text(p, body.add_special_tokens)
-               if isinstance(p, str) else p for p in body.prompts()]
+    with tracing.span("redserve.tokenize"):
+        prompts = [await model.codec.encode_text(p, body.add_special_tokens)
+                   if isinstance(p, str) else p for p in body.prompts()]
     echoes = [model.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
     prepared = await prepare(model, body, prompts)

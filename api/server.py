@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import create_app, drain
+from shared import tracing
 from shared.settings import ApiSettings
 
 log = logging.getLogger("redserve.api")
@@ -56,6 +57,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(settings: ApiSettings) -> None:
+    tracing.configure("redserve-api")  # before the app: it adds the tracing middleware
     app = create_app(settings)
     keys = app.state.api_keys
     if keys.enabled:
@@ -69,4 +71,7 @@ def run(settings: ApiSettings) -> None:
     # one line per request at any load, and the `request.finished` event says more.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             access_log=settings.access_log, timeout_graceful_shutdown=5)
-    DrainingServer(config, app, settings.drain_grace_s).run()
+    try:
+        DrainingServer(config, app, settings.drain_grace_s).run()
+    finally:
+        tracing.shutdown()  # the spans still buffered go out

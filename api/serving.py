@@ -26,6 +26,7 @@ from api.reply_spec import ReplySpec
 from api.responses import Kind, json_response
 from api.resume import Replay, StreamView
 from api.structured.grammar import compile_constraint
+from api.trace import ReplyTrace
 from shared.keys import new_request_id
 from shared.logs import log_event
 from shared.messages import GenerateRequest
@@ -63,16 +64,17 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
     `echoes`: each prompt's text, when the body asks for it back."""
     body, model, now = prepared.body, prepared.model, time.time()
     base_id = new_request_id(ctx.replica)
-    requests = _requests(ctx, prepared, base_id, now, tenant,
-                         _trace_id(request.headers.get("x-trace-id", "")))
-    _log_received(ctx, body, base_id, tenant, model.name)
     spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
                                echoes)
+    trace = ReplyTrace.start(body, spec.header, tenant)  # None unless traced
+    requests = _requests(ctx, prepared, base_id, now, tenant,
+                         _trace_id(request.headers.get("x-trace-id", "")), trace)
+    _log_received(ctx, body, base_id, tenant, model.name)
     reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests, spec.prompt_tokens)
-    generations = _generations(ctx, requests, spec, body.stream, reservation)
+    generations = _generations(ctx, requests, spec, body.stream, reservation, trace)
     choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     await _start_all(generations, choices, one_first=reservation is not None)
-    _time_reply(ctx, generations, spec, tenant, now, body.stream)
+    _time_reply(ctx, generations, spec, tenant, now, body.stream, trace)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
     return await _reply(request, choices, spec, headers, body.stream, ctx.settings.sse_ping_s)
@@ -85,9 +87,10 @@ def _trace_id(header: str) -> str:
 
 
 def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, tenant: str,
-              trace_id: str) -> list[GenerateRequest]:
+              trace_id: str, trace: ReplyTrace | None) -> list[GenerateRequest]:
     """One queued request per choice, `n` per prompt: `<id>`, then `<id>-1` ..."""
     body, model = prepared.body, prepared.model.name
+    placed = _place(ctx, prepared, tenant, trace)
     requests = []
     for index in range(len(prepared.prompts) * body.n):
         prompt_ids = prepared.prompts[index // body.n]
@@ -101,12 +104,26 @@ def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, ten
             deadline=now + ctx.settings.request_timeout_s,
             tenant=tenant,
             trace_id=trace_id,
+            traceparent=None if trace is None else trace.traceparent,
             grammar=prepared.constraint,
             priority=body.priority,
             weight=ctx.policies.of(tenant).weight,
-            worker=ctx.placement.place(model, tenant, prompt_ids),
+            worker=placed[index],
         ))
     return requests
+
+
+def _place(ctx: AppContext, prepared: Prepared, tenant: str,
+           trace: ReplyTrace | None) -> list[str]:
+    """Each choice's worker (`api.placement`), in a span when traced."""
+    model, n = prepared.model.name, prepared.body.n
+    prompts = [prepared.prompts[i // n] for i in range(len(prepared.prompts) * n)]
+    if trace is None:
+        return [ctx.placement.place(model, tenant, p) for p in prompts]
+    with trace.placement() as span:
+        placed = [ctx.placement.place(model, tenant, p) for p in prompts]
+        span.set_attribute("redserve.worker", placed)
+        return placed
 
 
 def _log_received(ctx: AppContext, body: ChatCompletionRequest | CompletionRequest,
@@ -121,14 +138,16 @@ def _log_received(ctx: AppContext, body: ChatCompletionRequest | CompletionReque
 
 
 def _generations(ctx: AppContext, requests: list[GenerateRequest], spec: ReplySpec,
-                 stream: bool, reservation: Reservation | None) -> list[Generation]:
+                 stream: bool, reservation: Reservation | None,
+                 trace: ReplyTrace | None) -> list[Generation]:
     """One per choice. The first counts its siblings and carries the reply's charge; a
     single-choice stream is resumable (see api/resume.py)."""
     first = requests[0]
     view = (StreamView(spec, first.deadline, first.queue_deadline)
             if stream and len(requests) == 1 else None)
     return [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
-                       streaming=stream, reservation=reservation, charges=i == 0)
+                       streaming=stream, reservation=reservation, charges=i == 0,
+                       trace=trace)
             for i, req in enumerate(requests)]
 
 
@@ -152,11 +171,12 @@ async def _start_all(generations: list[Generation], choices: list[Choice],
 
 
 def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec, tenant: str,
-                created: float, stream: bool) -> None:
-    """One timer for the reply, fed by all its choices (`api.metrics.ReplyTimer`)."""
+                created: float, stream: bool, trace: ReplyTrace | None) -> None:
+    """One timer for the reply, fed by all its choices (`api.metrics.ReplyTimer`); it ends
+    the reply's trace too."""
     timer = ReplyTimer(ctx.metrics, request_id=spec.base_id, tenant=tenant, model=spec.model,
                        stream=stream, created=created, prompt_tokens=spec.prompt_tokens,
-                       choices=len(generations))
+                       choices=len(generations), trace=trace)
     for g in generations:
         g.timer = timer
 

@@ -1,6 +1,7 @@
 """What travels through Redis.
 
-Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`.
+Request stream entry: `{"id": <request id>, "body": <GenerateRequest JSON>}`; a traced request's
+body carries its replica span's W3C `traceparent` (shared/tracing.py), an untraced one none.
 
 Result stream entries (one stream per request, read by the API replica that owns the request):
     kind=tokens  index=<position of the first id>  ids=<comma-separated token ids>

@@ -50,6 +50,11 @@ class GenerateRequest(BaseModel):
     # Lark grammar or tool calls, compiled by the replica into llguidance's grammar format.
     grammar: str | None = None
     trace_id: str = ""
+    # W3C `traceparent` of the replica's span for this request, when it is traced
+    # (shared/tracing.py): the worker's spans are its children. Absent from the entry's JSON
+    # when None, so tracing off adds nothing to the stream.
+    traceparent: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                    max_length=55)
     # Scheduling (see api/admission.py and worker/broker/intake.py): vLLM's `priority` (lower runs
     # first), the tenant's fair-share weight (shared/tenants.py), and the worker placement
     # chose because it holds the prompt's prefix ("" = any worker).

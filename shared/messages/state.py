@@ -41,6 +41,10 @@ class RequestField(StrEnum):
     DETACHED = "detached"  # unix time its stream's client left under the resume grace
     COMPLETION_TOKENS = "completion_tokens"  # once finished
     FINISH_REASON = "finish_reason"  # once finished (not on an error)
+    # Only for a traced request (shared/tracing.py): the W3C `traceparent` of the replica's
+    # span (a resume links to it) and of its worker's (a takeover links to it).
+    TRACE = "trace"
+    WORKER_TRACE = "worker_trace"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class RequestHash:
     detached: float | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    trace: str | None = None
+    worker_trace: str | None = None
 
     def to_fields(self) -> dict[str, str]:
         """The fields an accepting replica writes (the worker's come later)."""
@@ -76,12 +82,17 @@ class RequestHash:
         }
         if self.stream is not None:
             fields[RequestField.STREAM] = self.stream
+        if self.trace is not None:
+            fields[RequestField.TRACE] = self.trace
         return _plain(fields)
 
     @staticmethod
-    def running(worker: str) -> dict[str, str]:
-        """A worker took it."""
-        return _plain({RequestField.STATE: RequestState.RUNNING, RequestField.WORKER: worker})
+    def running(worker: str, trace: str | None = None) -> dict[str, str]:
+        """A worker took it (`trace`: its span there, when traced)."""
+        fields = {RequestField.STATE: RequestState.RUNNING, RequestField.WORKER: worker}
+        if trace is not None:
+            fields[RequestField.WORKER_TRACE] = trace
+        return _plain(fields)
 
     @staticmethod
     def handed_back() -> dict[str, str]:
@@ -137,7 +148,8 @@ class RequestHash:
             streaming=f.get(RequestField.STREAMING) == "1", stream=f.get(RequestField.STREAM),
             worker=f.get(RequestField.WORKER), detached=number(RequestField.DETACHED),
             completion_tokens=count(RequestField.COMPLETION_TOKENS),
-            finish_reason=f.get(RequestField.FINISH_REASON))
+            finish_reason=f.get(RequestField.FINISH_REASON), trace=f.get(RequestField.TRACE),
+            worker_trace=f.get(RequestField.WORKER_TRACE))
 
 
 def _plain(fields: dict[RequestField, str]) -> dict[str, str]:

@@ -21,8 +21,10 @@ handed back.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +35,9 @@ from shared.logs import log_event
 from worker.engine.engine import Engine
 from worker.engine.scheduler import Admitted, SchedulerStats
 from worker.engine.speculation.speculator import SpeculationStats
+
+if TYPE_CHECKING:
+    from worker.broker.spans import RequestSpans
 
 log = logging.getLogger("redserve.worker.requests")
 
@@ -54,8 +59,12 @@ class Clock:
 
     created: float
     queue_s: float | None  # None: resumed from another worker's tokens
+    admitted: float = 0.0  # when the engine scheduled its first step
+    cached: int = 0  # prompt tokens from the prefix cache
     ttft_s: float | None = None
+    first: float | None = None  # when this worker's first tokens for it were written
     last: float | None = None  # when its last tokens were written
+    ending: float | None = None  # when its terminal entry was staged
     tokens: int = 0  # tokens this worker published for it
 
 
@@ -114,9 +123,11 @@ def _speculation(s: SpeculationStats) -> Iterator[Metric]:
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine, model: str = "", worker: str = "") -> None:
+    def __init__(self, engine: Engine, model: str = "", worker: str = "",
+                 spans: RequestSpans | None = None) -> None:
         self.model = model
         self.worker = worker
+        self.spans = spans  # the requests' spans, when tracing is on (worker/broker/spans.py)
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineState(engine))
@@ -181,7 +192,7 @@ class WorkerMetrics:
             queue_s = None if a.resumed else max(a.at - req.created, 0.0)
             if queue_s is not None:
                 self._queue.observe(queue_s)
-            self._clocks[req.id] = Clock(req.created, queue_s)
+            self._clocks[req.id] = Clock(req.created, queue_s, a.at, a.cached)
             log_event(log, "request.admitted", request_id=req.id, model=self.model,
                       worker=self.worker, queue_s=round_s(queue_s), prompt_tokens=prompt,
                       cached_tokens=a.cached, resumed_tokens=a.resumed)
@@ -202,14 +213,19 @@ class WorkerMetrics:
             self._itl.observe(0.0)
         if clock.last is not None:
             self._itl.observe(now - clock.last)
-        elif clock.queue_s is not None:  # its first token, unless another worker's came first
-            clock.ttft_s = max(now - clock.created, 0.0)
-            self._ttft.observe(clock.ttft_s)
+        else:
+            clock.first = now
+            if clock.queue_s is not None:  # its first token, unless another worker's came first
+                clock.ttft_s = max(now - clock.created, 0.0)
+                self._ttft.observe(clock.ttft_s)
         clock.last = now
 
     def ending(self, request_id: str) -> Clock | None:
         """A terminal entry is staged: its clock goes with the entry."""
-        return self._clocks.pop(request_id, None)
+        clock = self._clocks.pop(request_id, None)
+        if clock is not None:
+            clock.ending = time.time()
+        return clock
 
     def ended(self, request_id: str, clock: Clock | None, outcome: str, tokens: int | None,
               carried_tokens: int, now: float) -> None:
@@ -220,6 +236,8 @@ class WorkerMetrics:
         cause = ABORT_CAUSES.get(outcome)
         if cause is not None:
             self.aborts.labels(self.model, cause).inc()
+        if self.spans is not None:
+            self.spans.ended(request_id, clock, outcome, tokens, now)
         if clock is None:  # ended before it was admitted here (a queue timeout, say)
             return
         if carried_tokens:
@@ -235,4 +253,13 @@ class WorkerMetrics:
     def hand_back(self, request_id: str) -> None:
         self.handed_back.inc()
         self._clocks.pop(request_id, None)
+        if self.spans is not None:
+            self.spans.left(request_id, "handed_back")
+
+    def taken_by_others(self, request_ids: Iterable[str]) -> None:
+        """After an outage: these requests are another worker's now, not ours to end."""
+        for request_id in request_ids:
+            self._clocks.pop(request_id, None)
+            if self.spans is not None:
+                self.spans.left(request_id, "taken_over")
 

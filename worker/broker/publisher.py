@@ -145,8 +145,9 @@ class Publisher:
         if rest is not None:
             self._staged.records.append((request_id, rest))
 
-    def stage_running(self, request_id: str) -> None:
-        self._staged.running.append((request_id, self.name))
+    def stage_running(self, request_id: str, trace: str | None = None) -> None:
+        """The request runs here (`trace`: its span here, when traced: worker/broker/spans.py)."""
+        self._staged.running.append((request_id, trace))
 
     def lost_streams(self) -> None:
         """Redis may have lost keys (a restart): set the TTL again on each stream's next
@@ -192,6 +193,8 @@ class Publisher:
         (they are its to end)."""
         gone = {rid for rid, eid in self.entry_ids.items() if eid in taken}
         self.entry_ids = {rid: eid for rid, eid in self.entry_ids.items() if rid not in gone}
+        if self.metrics is not None:
+            self.metrics.taken_by_others(gone)
         self._outbox.drop(gone)
         self._staged.drop(gone)
 
@@ -202,9 +205,10 @@ class Publisher:
             self._clock_read = time.monotonic()
         ttl = self.settings.request_ttl_s
         pipe = self.redis.pipeline(transaction=False)
-        for request_id, worker in staged.running:
+        for request_id, trace in staged.running:
             state_key = self.keys.state(request_id)
-            pipe.hset(state_key, mapping=RequestHash.running(worker))  # type: ignore[arg-type]
+            pipe.hset(state_key,
+                      mapping=RequestHash.running(self.name, trace))  # type: ignore[arg-type]
             pipe.expire(state_key, ttl)
         self._stage_records(pipe, staged.records)
         finished_ttl = self.settings.finished_ttl_s

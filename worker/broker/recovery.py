@@ -32,6 +32,7 @@ from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys, replica_of
 from shared.messages import (
     Error,
     GenerateRequest,
+    RequestField,
     Tokens,
     decode_feed,
     decode_result,
@@ -65,6 +66,8 @@ class Claimed:
     # The feed no longer reaches back to its record's end (trimmed): tokens its client saw
     # may be missing from `generated`.
     tail_lost: bool = False
+    # Traced: the `traceparent` of its span on the worker before (a takeover links to it).
+    previous_trace: str | None = None
 
 
 class Recovery:
@@ -157,7 +160,9 @@ class Recovery:
         pipe = self.redis.pipeline(transaction=False)
         pipe.xpending_range(self.stream, WORKER_GROUP, entry_id, entry_id, 1)
         pipe.xrange(self.keys.out(request.id))
-        pending, results = await pipe.execute()
+        if request.traceparent is not None:  # traced: the span of the worker before
+            pipe.hget(self.keys.state(request.id), RequestField.WORKER_TRACE)
+        pending, results, *previous = await pipe.execute()
         deliveries = int(pending[0]["times_delivered"]) if pending else 1
         generated: list[int] = []
         ended = False
@@ -172,7 +177,8 @@ class Recovery:
                                                      len(generated))
             generated.extend(unrecorded.ids if unrecorded else ())
         return Claimed(entry_id, request, tuple(generated), ended, deliveries,
-                       unrecorded=unrecorded, tail_lost=lost)
+                       unrecorded=unrecorded, tail_lost=lost,
+                       previous_trace=_text(previous[0]) if previous and previous[0] else None)
 
     async def _feed_tail(self, request_id: str, record_end: bytes,
                          index: int) -> tuple[Tokens | None, bool]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from shared import tracing
 from shared.keys import Keys
 from shared.messages import Error, FinishReason, GenerateRequest, Heartbeat, queue_timeout
 from shared.models import ModelInfo
@@ -38,6 +39,7 @@ from worker.broker.metrics import WorkerMetrics
 from worker.broker.presence import Presence, Upkeep, Worker
 from worker.broker.publisher import Publisher
 from worker.broker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
+from worker.broker.spans import RequestSpans
 from worker.broker.take import Room, TakePolicy, Taker
 from worker.engine.build import build_engine
 from worker.engine.dev_hooks import DevHooks
@@ -59,7 +61,9 @@ class WorkerService:
         self.scheduler = engine.scheduler  # the queue, the batch and the KV pool
         self.clients = clients
         self.name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-        self.metrics = WorkerMetrics(engine, info.name, self.name)
+        # Each traced request's spans (worker/broker/spans.py); None when tracing is off.
+        self.spans = RequestSpans.of(self.name)
+        self.metrics = WorkerMetrics(engine, info.name, self.name, self.spans)
         keys = Keys(settings.key_prefix)
         self.publisher = Publisher(clients.commands, keys, info.name, settings, self.name,
                                    metrics=self.metrics)
@@ -261,6 +265,8 @@ class WorkerService:
             if claimed.ended:  # its worker died between the terminal entry and the XACK
                 self.publisher.stage_ack(req.id)
                 continue
+            # Its span here (traced requests only); every way on from here ends it.
+            trace = None if self.spans is None else self.spans.taken(claimed)
             if claimed.aborted or self.aborts.aborted([req.id]):
                 self._finish_unstarted(claimed, "abort")
                 continue
@@ -278,7 +284,7 @@ class WorkerService:
             elif finish is not None:  # its tokens complete its grammar: only the finish was lost
                 self._finish_unstarted(claimed, finish)
             else:
-                self.publisher.stage_running(req.id)
+                self.publisher.stage_running(req.id, trace)
 
     def _finish_unstarted(self, claimed: Claimed, finish: FinishReason) -> None:
         """End a request at admission, without a step: the tokens an earlier worker
@@ -354,6 +360,7 @@ async def _first(*events: asyncio.Event) -> None:
 async def serve(settings: WorkerSettings, info: ModelInfo) -> None:
     engine = await asyncio.to_thread(build_engine, info, settings)
     assert settings.redis_url is not None
+    tracing.configure("redserve-worker", settings.worker_name or "")
     clients = connect(settings.redis_url, name="redserve-worker", cluster=settings.redis_cluster)
     service = WorkerService(settings, info, engine, clients)
     if settings.metrics_port:
@@ -365,3 +372,4 @@ async def serve(settings: WorkerSettings, info: ModelInfo) -> None:
         await service.run()
     finally:
         await clients.close()
+        tracing.shutdown()  # the spans still buffered go out

@@ -37,7 +37,8 @@ class Ending:
 class Staged:
     live: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # feed only
     records: list[tuple[str, Tokens]] = field(default_factory=list)  # result streams only
-    running: list[tuple[str, str]] = field(default_factory=list)  # (request id, worker)
+    # (request id, the traceparent of its span on this worker, when traced)
+    running: list[tuple[str, str | None]] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # request-stream entry ids
     hand_backs: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)

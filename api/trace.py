@@ -1,0 +1,120 @@
+"""A traced reply's spans on the replica, made only when tracing is on (shared/tracing.py).
+
+The HTTP request's span, made by OpenTelemetry's ASGI middleware (api/app.py) from the
+client's `traceparent` if it sent one, covers the whole request, a stream to its last event.
+`ReplyTrace` gives it the GenAI semantic conventions' attributes (`gen_ai.*`) and redserve's
+(`redserve.request_id`, `redserve.tenant`), and the children a reply's path has on a replica:
+`redserve.tokenize` (api/routes.py), `redserve.placement`, and per choice `redserve.admit`
+(its hash and the admission script) and `redserve.queue_wait` (admitted until its worker's
+first entry). The HTTP span's `traceparent` goes into each choice's stream entry, so the
+worker's spans (worker/broker/spans.py) are its children in the same trace; it is also kept in
+the request's hash, so a resume on any replica links to it (api/routes.py).
+
+A request that is not sampled gets no `ReplyTrace` (None), and so nothing in Redis.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.responses import ReplyHeader
+from shared import tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+# Outcomes that are not an error: the finish reasons, and a client that went away.
+_FINE = {"stop", "length", "abort", "disconnect", "mixed"}
+
+
+class ReplyTrace:
+    def __init__(self, tracer: Tracer, server: Span, traceparent: str) -> None:
+        self.tracer = tracer
+        self.server = server
+        self.traceparent = traceparent  # the server span's: what goes into Redis
+
+    @classmethod
+    def start(cls, body: ChatCompletionRequest | CompletionRequest, header: ReplyHeader,
+              tenant: str) -> ReplyTrace | None:
+        """The current request's trace, its attributes set; None when off or not sampled."""
+        tracer, server = tracing.tracer("redserve.api"), tracing.current()
+        if tracer is None or server is None:
+            return None
+        traceparent = tracing.traceparent(server)
+        if traceparent is None:
+            return None
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat" if header.kind == "chat" else "text_completion",
+            "gen_ai.request.model": body.model,
+            "gen_ai.request.temperature": body.temperature,
+            "gen_ai.request.top_p": body.top_p,
+            "gen_ai.response.id": header.id,
+            "gen_ai.response.model": header.model,
+            "redserve.request_id": header.request_id,
+            "redserve.tenant": tenant,
+            "redserve.stream": body.stream,
+        }
+        most = body.requested_max_tokens()
+        if most is not None:
+            attributes["gen_ai.request.max_tokens"] = most
+        if body.n > 1:
+            attributes["gen_ai.request.choice.count"] = body.n
+        server.set_attributes(attributes)
+        return cls(tracer, server, traceparent)
+
+    def placement(self) -> AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span("redserve.placement")
+
+    def admit(self, request_id: str) -> AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span(
+            "redserve.admit", attributes={"redserve.request_id": request_id})
+
+    def queue_wait(self, request_id: str, start_s: float, end_s: float) -> None:
+        """A choice waited from its admission (`start_s`) to its worker's first entry."""
+        from opentelemetry import trace
+
+        span = self.tracer.start_span(
+            "redserve.queue_wait", context=trace.set_span_in_context(self.server),
+            start_time=tracing.ns(start_s), attributes={"redserve.request_id": request_id})
+        span.end(end_time=tracing.ns(end_s))
+
+    def ended(self, *, prompt_tokens: int, completion_tokens: int, outcome: str,
+              queue_s: float | None, ttft_s: float | None, e2e_s: float) -> None:
+        """The reply is over (its last choice closed): usage and latencies on the HTTP span."""
+        attributes: dict[str, Any] = {
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": completion_tokens,
+            "gen_ai.response.finish_reasons": [outcome],
+            "gen_ai.latency.e2e": e2e_s,
+        }
+        if queue_s is not None:
+            attributes["gen_ai.latency.time_in_queue"] = queue_s
+        if ttft_s is not None:
+            attributes["gen_ai.latency.time_to_first_token"] = ttft_s
+        self.server.set_attributes(attributes)
+        if outcome not in _FINE:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.server.set_status(Status(StatusCode.ERROR, outcome))
+
+
+def resumed(original: str | None, request_id: str, after: int) -> None:
+    """A stream is resumed here (api/routes.py): this HTTP request's span links to the
+    original request's (`original`, from its hash), and a `redserve.resume` span in the
+    original's trace links back, so each trace shows the other."""
+    tracer, server = tracing.tracer("redserve.api"), tracing.current()
+    if original is None or tracer is None or server is None:
+        return
+    to_original = tracing.link(original, "resumed")
+    if to_original is None:
+        return
+    server.add_link(to_original.context, to_original.attributes)
+    server.set_attribute("redserve.request_id", request_id)
+    here = tracing.traceparent(server)
+    back = None if here is None else tracing.link(here, "resume")
+    tracer.start_span("redserve.resume", context=tracing.parent(original),
+                      links=[] if back is None else [back],
+                      attributes={"redserve.request_id": request_id,
+                                  "redserve.resume.after": after}).end()
