@@ -25,8 +25,10 @@ from shared import tracing
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-# Outcomes that are not an error: the finish reasons, and a client that went away.
-_FINE = {"stop", "length", "abort", "disconnect", "mixed"}
+# Outcomes that are a finish reason; and those that are not an error (a client that went away,
+# choices that ended differently).
+_FINISHED = {"stop", "length", "abort"}
+_FINE = {*_FINISHED, "disconnect", "mixed"}
 
 
 class ReplyTrace:
@@ -86,9 +88,11 @@ class ReplyTrace:
         attributes: dict[str, Any] = {
             "gen_ai.usage.input_tokens": prompt_tokens,
             "gen_ai.usage.output_tokens": completion_tokens,
-            "gen_ai.response.finish_reasons": [outcome],
             "gen_ai.latency.e2e": e2e_s,
+            "redserve.outcome": outcome,
         }
+        if outcome in _FINISHED:
+            attributes["gen_ai.response.finish_reasons"] = [outcome]
         if queue_s is not None:
             attributes["gen_ai.latency.time_in_queue"] = queue_s
         if ttft_s is not None:

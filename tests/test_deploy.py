@@ -52,9 +52,9 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
     assert set(services) == {"redis", "api", "nginx", "worker", "worker-gpu", "prometheus",
-                             "grafana"}
-    # Monitoring is opt-in, and on loopback (Grafana lets anonymous viewers in).
-    for name in ("prometheus", "grafana"):
+                             "grafana", "jaeger"}
+    # Monitoring is opt-in, and on loopback (Grafana and Jaeger let anyone in).
+    for name in ("prometheus", "grafana", "jaeger"):
         assert services[name]["profiles"] == ["monitoring"]
         assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"])
     assert services["redis"]["image"].startswith("redis:7")
@@ -80,6 +80,10 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
         assert "models:/cache" in svc["volumes"]
         assert int(svc["environment"]["REDSERVE_DRAIN_GRACE_S"]) == DRAIN_GRACE_S
         assert _seconds(svc["stop_grace_period"]) > DRAIN_GRACE_S
+        # Traces only when an endpoint is named; Jaeger's OTLP/HTTP port when it is.
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == (
+            "${OTEL_EXPORTER_OTLP_ENDPOINT:-}")
+    assert services["jaeger"]["expose"] == ["4318"]
     for name in ("redis", "api", "nginx", "worker", "worker-gpu", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     gpu = services["worker-gpu"]
