@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute, Match
 
 from api import errors, routes, status, tokenization
 from api.auth.guard import Guard
@@ -72,11 +74,20 @@ def trace_requests(app: FastAPI) -> None:
     """Outermost of all when tracing is on (shared/tracing.py): one server span per HTTP
     request, a child of the client's `traceparent` if it sent one, covering a stream to its
     end. No span per ASGI message (one per SSE event would be its cost), none for the probes
-    and the metrics scrape."""
+    and the metrics scrape. Spans are named by route (`GET /v1/requests/{request_id}/stream`),
+    not by path: one name per route, whatever the ids."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
+    def by_route(scope: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        method = scope.get("method", "HTTP")
+        for route in app.router.routes:
+            if isinstance(route, BaseRoute) and route.matches(scope)[0] is Match.FULL:
+                path = str(getattr(route, "path", ""))
+                return f"{method} {path}", {"http.route": path}
+        return method, {}
+
     app.add_middleware(OpenTelemetryMiddleware, exclude_spans=["receive", "send"],
-                       excluded_urls="/health,/ready,/metrics")
+                       excluded_urls="/health,/ready,/metrics", default_span_details=by_route)
 
 
 def load_policies(settings: ApiSettings, api_keys: APIKeys) -> TenantPolicies:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("redserve.tracing")
 
 _provider: TracerProvider | None = None
+_spans: Tracer | None = None  # `span`'s
 _NO_SPAN: AbstractContextManager[None] = nullcontext()
 
 
@@ -50,7 +51,7 @@ def wanted(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
 def configure(service: str, instance: str = "") -> bool:
     """Start tracing in this process if the environment asks for it and the SDK is there;
     True if it is on. `service`: the default `service.name` (OTEL_SERVICE_NAME wins)."""
-    global _provider
+    global _provider, _spans
     if _provider is not None or not wanted():
         return _provider is not None
     try:
@@ -69,7 +70,7 @@ def configure(service: str, instance: str = "") -> bool:
     for exporter in _exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    _provider = provider
+    _provider, _spans = provider, provider.get_tracer("redserve")
     log.info("tracing on: %s", os.environ.get("OTEL_TRACES_EXPORTER") or "otlp")
     return True
 
@@ -94,10 +95,10 @@ def _exporters() -> list[Any]:
 
 def shutdown() -> None:
     """Export what is buffered and stop (at process exit)."""
-    global _provider
+    global _provider, _spans
     if _provider is not None:
         _provider.shutdown()
-        _provider = None
+        _provider = _spans = None
 
 
 def enabled() -> bool:
@@ -111,9 +112,9 @@ def tracer(name: str) -> Tracer | None:
 
 def span(name: str, **attributes: Any) -> AbstractContextManager[Any]:
     """A child of the current span around a block (a shared do-nothing context when off)."""
-    if _provider is None:
+    if _spans is None:
         return _NO_SPAN
-    return _provider.get_tracer("redserve").start_as_current_span(name, attributes=attributes)
+    return _spans.start_as_current_span(name, attributes=attributes)
 
 
 def current() -> Span | None:
