@@ -180,7 +180,7 @@ def test_one_trace_from_the_client_through_both_workers_and_a_resume(
             resumed.read()
 
         receiver.wait(lambda: len([s for s in receiver.of(trace_id)
-                                   if s.service == "redserve-worker"]) >= 7
+                                   if s.service == "redserve-worker"]) >= 6
                       and any(s.name == "redserve.resume" for s in receiver.of(trace_id))
                       and receiver.of(resume_trace))
         spans = receiver.of(trace_id)
