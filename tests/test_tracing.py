@@ -228,7 +228,8 @@ def test_one_trace_from_the_client_through_both_workers_and_a_resume(
         # A request its client's trace does not sample is not traced: nothing in Redis.
         unsampled = secrets.token_hex(16)
         reply = httpx.post(f"{stack.url(0)}/v1/chat/completions",
-                           json={**_body(3), "stream": False}, timeout=30,
+                           json={**_body(3), "stream": False, "stream_options": None},
+                           timeout=30,
                            headers={"traceparent": _traceparent(unsampled, client_span, False)})
         assert reply.status_code == 200
         state = sync_redis.hgetall(keys.state(reply.headers["x-request-id"]))
