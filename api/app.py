@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 from fastapi import FastAPI
-from starlette.routing import BaseRoute, Match
 
 from api import errors, routes, status, tokenization
 from api.auth.guard import Guard
@@ -17,6 +15,7 @@ from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext
 from api.lifespan import SHUTDOWN_ERROR, Lifespan
 from api.metrics import APIMetrics, CountResponses
+from api.trace import RouteNamedSpans
 from shared import tracing
 from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies, tenant_policies
@@ -73,21 +72,15 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
 def trace_requests(app: FastAPI) -> None:
     """Outermost of all when tracing is on (shared/tracing.py): one server span per HTTP
     request, a child of the client's `traceparent` if it sent one, covering a stream to its
-    end. No span per ASGI message (one per SSE event would be its cost), none for the probes
-    and the metrics scrape. Spans are named by route (`GET /v1/requests/{request_id}/stream`),
-    not by path: one name per route, whatever the ids."""
+    end, named by its route once routed (`api.trace.RouteNamedSpans`). No span per ASGI
+    message (one per SSE event would be its cost), none for the probes and the metrics
+    scrape."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
-    def by_route(scope: dict[str, Any]) -> tuple[str, dict[str, str]]:
-        method = scope.get("method", "HTTP")
-        for route in app.router.routes:
-            if isinstance(route, BaseRoute) and route.matches(scope)[0] is Match.FULL:
-                path = str(getattr(route, "path", ""))
-                return f"{method} {path}", {"http.route": path}
-        return method, {}
-
+    app.add_middleware(RouteNamedSpans)
     app.add_middleware(OpenTelemetryMiddleware, exclude_spans=["receive", "send"],
-                       excluded_urls="/health,/ready,/metrics", default_span_details=by_route)
+                       excluded_urls="/health,/ready,/metrics",
+                       default_span_details=lambda scope: (scope.get("method", "HTTP"), {}))
 
 
 def load_policies(settings: ApiSettings, api_keys: APIKeys) -> TenantPolicies:

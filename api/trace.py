@@ -18,6 +18,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import ReplyHeader
 from shared import tracing
@@ -122,3 +124,29 @@ def resumed(original: str | None, request_id: str, after: int) -> None:
                       links=[] if back is None else [back],
                       attributes={"redserve.request_id": request_id,
                                   "redserve.resume.after": after}).end()
+
+
+class RouteNamedSpans:
+    """Pure ASGI middleware, just inside the tracing one (api/app.py): the HTTP span is named
+    after the route that answered (`GET /v1/requests/{request_id}/stream`, `http.route`),
+    known only once the router has run, so one name per route whatever the ids in the path;
+    a request no route answered keeps its method alone."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        span = tracing.current()
+        if scope["type"] != "http" or span is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                path = getattr(scope.get("route"), "path", None)
+                if path:
+                    span.update_name(f"{scope['method']} {path}")
+                    span.set_attribute("http.route", path)
+            await send(message)
+
+        await self.app(scope, receive, named)

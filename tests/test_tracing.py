@@ -182,11 +182,13 @@ def test_one_trace_from_the_client_through_both_workers_and_a_resume(
         receiver.wait(lambda: len([s for s in receiver.of(trace_id)
                                    if s.service == "redserve-worker"]) >= 6
                       and any(s.name == "redserve.resume" for s in receiver.of(trace_id))
+                      and any(s.parent == client_span for s in receiver.of(trace_id))
                       and receiver.of(resume_trace))
         spans = receiver.of(trace_id)
         # The replica's span covers the HTTP request, a child of the client's span.
-        server = _one(spans, "POST /v1/chat/completions", service="redserve-api")
-        assert server.parent == client_span and server.kind == 2  # SERVER
+        server = _one(spans, "POST /v1/chat/completions", parent=client_span)
+        assert server.service == "redserve-api" and server.kind == 2  # SERVER
+        assert server.attributes["http.route"] == "/v1/chat/completions"
         assert server.attributes["redserve.request_id"] == request_id
         assert server.attributes["gen_ai.request.model"] == MODEL
         assert server.attributes["gen_ai.response.id"] == f"chatcmpl-{request_id}"
@@ -215,6 +217,7 @@ def test_one_trace_from_the_client_through_both_workers_and_a_resume(
         # The resume: its HTTP span links to the request's, and a span in the request's
         # trace links back to it.
         [resume_server] = receiver.of(resume_trace)
+        assert resume_server.name == "GET /v1/requests/{request_id}/stream"
         assert resume_server.links == [(trace_id, server.span_id,
                                         {"redserve.link": "resumed"})]
         resume = _one(spans, "redserve.resume")
