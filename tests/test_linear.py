@@ -113,6 +113,7 @@ def test_a_bf16_layer_takes_the_packed_gemm_at_decode_rows_and_the_handler_above
         linear = Linear(weight, b, native=True)
         assert linear.packed is not None
         assert linear.packed_rows == (BRGEMM_ROWS_WIDE if shape[0] >= WIDE else BRGEMM_ROWS)
+        assert linear(x[:0]).shape == (0, shape[0])  # the kernel would divide by zero rows
         for rows in (1, 8, linear.packed_rows, linear.packed_rows + 1, 200):
             got = linear(x[:rows])
             packed = torch.empty_like(got)

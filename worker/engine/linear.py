@@ -182,7 +182,8 @@ class Linear:
         self.packed_rows = BRGEMM_ROWS_WIDE if self.out_features >= WIDE else BRGEMM_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.packed_rows:
+        # No rows (a step whose chunks sample nothing): the packed kernel divides by the rows.
+        if self.packed is not None and 0 < x.shape[0] <= self.packed_rows:
             y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             torch.ops._C.weight_packed_linear(y, x, self.packed, self.packed_bias, True)
             return y
