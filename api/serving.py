@@ -1,6 +1,7 @@
 """From a tokenized request to its reply: checked against its model (`prepare`, with the
 checks `api.protocol` owns), then one `Generation` per choice (`n` per prompt), merged into one
-SSE stream or one JSON object (`api.replies`) (`generate`)."""
+SSE stream or one JSON object (`api.replies`) (`generate`). `start` is the part every wire
+format shares: the Responses API (`api.responses_api`) renders the same choices its own way."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from api.generation import Generation
 from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.replies.collected import collect_unless_disconnected
+from api.replies.collected import collect, unless_disconnected
 from api.replies.merge import close_all
 from api.replies.streamed import sse
 from api.reply_spec import ReplySpec
@@ -57,9 +58,20 @@ async def prepare(model: ServedModel, body: ChatCompletionRequest | CompletionRe
     return Prepared(model, body, prompts, max_tokens, constraint)
 
 
-async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
-                   tenant: str, echoes: list[str] | None = None) -> Response:
-    """Queue one request per choice and answer with their merged reply (SSE or JSON);
+@dataclass(frozen=True)
+class Started:
+    """A reply's choices, all queued, and what rendering them needs: a renderer per wire
+    format (`_reply` for chat and completions, `api.responses_api` for responses) takes it
+    from here."""
+
+    choices: list[Choice]
+    spec: ReplySpec
+    headers: dict[str, str]
+
+
+async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
+                tenant: str, echoes: list[str] | None = None) -> Started:
+    """Queue one request per choice (rate limits, placement, admission as for any reply);
     `echoes`: each prompt's text, when the body asks for it back."""
     body, model, now = prepared.body, prepared.model, time.time()
     base_id = new_request_id(ctx.replica)
@@ -75,7 +87,16 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
     _time_reply(ctx, generations, spec, tenant, now, body.stream)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
-    return await _reply(request, choices, spec, headers, body.stream, ctx.settings.sse_ping_s)
+    return Started(choices, spec, headers)
+
+
+async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
+                   tenant: str, echoes: list[str] | None = None) -> Response:
+    """Queue one request per choice and answer with their merged chat or completions reply
+    (SSE or JSON)."""
+    started = await start(ctx, request, prepared, kind, tenant, echoes)
+    return await _reply(request, started.choices, started.spec, started.headers,
+                        prepared.body.stream, ctx.settings.sse_ping_s)
 
 
 def _trace_id(header: str) -> str:
@@ -167,10 +188,10 @@ async def _reply(request: Request, choices: list[Choice], spec: ReplySpec,
     if stream:
         return sse(choices, spec, headers, 0, ping_s)
     try:
-        reply = await collect_unless_disconnected(request, choices, spec)
+        reply = await unless_disconnected(request, collect(choices, spec))
     finally:
         await close_all(choices)
-    return json_response(reply, headers=headers)
+    return json_response(reply or {}, headers=headers)
 
 
 def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamView,
