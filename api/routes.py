@@ -35,7 +35,7 @@ def app_context(request: Request) -> AppContext:
 async def cancel(request_id: str, request: Request) -> Response:
     """Cancel a request by id, from any replica. Only its tenant may."""
     ctx = app_context(request)
-    record = await _owned_state(ctx, request_id, request)
+    record = await owned_state(ctx, request_id, request)
     current = record.state
     cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
     if cancelled:
@@ -57,11 +57,15 @@ async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
     result stream lives. Only its tenant may."""
     ctx = app_context(request)
-    raw_view = (await _owned_state(ctx, request_id, request)).stream
+    raw_view = (await owned_state(ctx, request_id, request)).stream
     if raw_view is None:
         raise APIError(400, f"request {request_id!r} is not a single-choice stream, so it "
                        "cannot be resumed", param="request_id", code="not_resumable")
     view = StreamView.from_json(raw_view)
+    if view.responses is not None:
+        raise APIError(400, f"request {request_id!r} is a Responses API stream: resume it "
+                       f"with GET /v1/responses/resp_{request_id}?stream=true",
+                       param="request_id", code="not_resumable")
     model = ctx.models.get(view.spec.model)
     if model is None:
         raise APIError(404, f"request {request_id!r} is for model {view.spec.model!r}, which "
@@ -69,13 +73,17 @@ async def resume_stream(request_id: str, request: Request) -> Response:
                        param="request_id", code="model_not_found")
     after = last_event_id(request.headers.get("last-event-id")
                           or request.query_params.get("last_event_id"))
-    # Tells the replica that served the first stream not to cancel it after its grace.
+    await mark_resumed(ctx, request_id)
+    return resume(ctx, model, request_id, view, after)
+
+
+async def mark_resumed(ctx: AppContext, request_id: str) -> None:
+    """Tells the replica that served the first stream not to cancel it after its grace."""
     try:
         await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
                                        ex=ctx.settings.request_ttl_s)
     except aioredis.RedisError as e:
         raise _state_unavailable(e) from e
-    return resume(ctx, model, request_id, view, after)
 
 
 @router.post("/v1/chat/completions")
@@ -100,7 +108,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await generate(ctx, request, prepared, "text", tenant_of(request), echoes)
 
 
-async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
+async def owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
     """The request's hash, if the caller's tenant owns it; another tenant's request looks
     exactly like a missing one."""
     missing = APIError(404, f"no request {request_id[:64]!r}", param="request_id",

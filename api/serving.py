@@ -70,18 +70,21 @@ class Started:
 
 
 async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
-                tenant: str, echoes: list[str] | None = None) -> Started:
+                tenant: str, echoes: list[str] | None = None,
+                responses: str | None = None, base_id: str | None = None) -> Started:
     """Queue one request per choice (rate limits, placement, admission as for any reply);
-    `echoes`: each prompt's text, when the body asks for it back."""
+    `echoes`: each prompt's text, when the body asks for it back; `responses`: a Responses
+    API stream's rendering state, stored for its resumption (`api.resume.StreamView`);
+    `base_id`: the request id, when the caller needed it first (`new_request_id`)."""
     body, model, now = prepared.body, prepared.model, time.time()
-    base_id = new_request_id(ctx.replica)
+    base_id = base_id or new_request_id(ctx.replica)
     requests = _requests(ctx, prepared, base_id, now, tenant,
                          _trace_id(request.headers.get("x-trace-id", "")))
     _log_received(ctx, body, base_id, tenant, model.name)
     spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
                                echoes)
     reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests, spec.prompt_tokens)
-    generations = _generations(ctx, requests, spec, body.stream, reservation)
+    generations = _generations(ctx, requests, spec, body.stream, reservation, responses)
     choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     await _start_all(generations, choices, one_first=reservation is not None)
     _time_reply(ctx, generations, spec, tenant, now, body.stream)
@@ -142,11 +145,12 @@ def _log_received(ctx: AppContext, body: ChatCompletionRequest | CompletionReque
 
 
 def _generations(ctx: AppContext, requests: list[GenerateRequest], spec: ReplySpec,
-                 stream: bool, reservation: Reservation | None) -> list[Generation]:
+                 stream: bool, reservation: Reservation | None,
+                 responses: str | None) -> list[Generation]:
     """One per choice. The first counts its siblings and carries the reply's charge; a
     single-choice stream is resumable (see api/resume.py)."""
     first = requests[0]
-    view = (StreamView(spec, first.deadline, first.queue_deadline)
+    view = (StreamView(spec, first.deadline, first.queue_deadline, responses)
             if stream and len(requests) == 1 else None)
     return [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
                        streaming=stream, reservation=reservation, charges=i == 0)

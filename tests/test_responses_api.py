@@ -14,12 +14,16 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import orjson
 import pytest
 
 from tests.stack import Stack
 
 MODEL = "tiny-llama"
-KEYS = {"REDSERVE_API_KEYS": "owner:sk-responses-owner,stranger:sk-responses-stranger"}
+KEYS = {"REDSERVE_API_KEYS": "owner:sk-responses-owner,stranger:sk-responses-stranger",
+        # A stream whose client left runs on this long, for a resume on any replica.
+        "REDSERVE_RESUME_GRACE_S": "20"}
+AUTH = {"Authorization": "Bearer sk-responses-owner"}
 OWNER, STRANGER = "sk-responses-owner", "sk-responses-stranger"
 # Finite by construction, whatever the random model picks (as in tests/test_structured.py).
 BOUNDED: dict[str, Any] = {
@@ -187,6 +191,60 @@ def test_another_tenant_cannot_see_a_stored_response(stack: Stack, one: openai.O
     unstored = one.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         one.responses.retrieve(unstored.id)
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(event, id, data) of each SSE event."""
+    event, event_id = "", -1
+    for line in lines:
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            yield event, event_id, orjson.loads(line[6:])
+
+
+def _replay(stack: Stack, replica: int, response_id: str, after: int
+            ) -> list[tuple[str, int, dict[str, Any]]]:
+    with httpx.stream("GET", f"{stack.url(replica)}/v1/responses/{response_id}", headers=AUTH,
+                      params={"stream": "true", "starting_after": after},
+                      timeout=60) as reply:
+        assert reply.status_code == 200, reply.read()
+        return list(_sse(reply.iter_lines()))
+
+
+def test_a_cut_stream_resumes_on_the_other_replica(stack: Stack, two: openai.OpenAI) -> None:
+    body = {"model": MODEL, "input": "Go on", "max_output_tokens": 40, "temperature": 0,
+            "stream": True}
+    seen: list[tuple[str, int, dict[str, Any]]] = []
+    with httpx.stream("POST", f"{stack.url(0)}/v1/responses", json=body, headers=AUTH,
+                      timeout=60) as reply:
+        assert reply.status_code == 200
+        for event in _sse(reply.iter_lines()):
+            seen.append(event)
+            if len(seen) == 8:
+                break  # the client's connection drops mid-stream
+    assert [n for _, n, _ in seen] == list(range(8))
+    response_id = seen[0][2]["response"]["id"]
+    rest = _replay(stack, 1, response_id, 7)
+    assert [n for _, n, _ in rest] == list(range(8, 8 + len(rest)))
+    assert [e for e, _, data in rest] == [data["type"] for _, _, data in rest]
+    final = rest[-1][2]["response"]
+    deltas = "".join(d["delta"] for _, _, d in seen + rest
+                     if d["type"] == "response.output_text.delta")
+    assert final["status"] == "incomplete" and deltas == final["output"][0]["content"][0]["text"]
+    # Stored by the replica that served the first part (or by the replay: the same copy).
+    stored = httpx.get(f"{stack.url(1)}/v1/responses/{response_id}", headers=AUTH)
+    assert stored.json() == final and two.responses.retrieve(response_id).id == response_id
+    # A finished stream replays whole, identical, from either replica.
+    whole = _replay(stack, 0, response_id, -1)
+    assert whole[8:] == rest and [d for _, _, d in whole[:8]] == [d for _, _, d in seen]
+    assert _replay(stack, 1, response_id, len(whole) - 1) == []
+    plain = two.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    refused = httpx.get(f"{stack.url(0)}/v1/responses/{plain.id}", headers=AUTH,
+                        params={"stream": "true"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_resumable"
 
 
 @pytest.mark.parametrize(("extra", "param"), [

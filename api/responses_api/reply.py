@@ -20,7 +20,7 @@ from sse_starlette import ServerSentEvent
 from api.choices import Choice
 from api.errors import APIError
 from api.replies.collected import worker_error
-from api.replies.merge import entries
+from api.replies.merge import close_all, entries
 from api.responses_api.render import Event, Output, ResponseMeta, usage
 from api.tools.parse import ParsedCall
 from shared.messages import Error, Finish, Tokens
@@ -61,7 +61,8 @@ async def steps(choice: Choice) -> AsyncIterator[Step]:
 
 
 def _status(finish_reason: str) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    """A reply cut by max_output_tokens is incomplete; one cancelled (`abort`), cancelled."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason, "completed")
 
 
 class Reply:
@@ -138,3 +139,16 @@ async def numbered(events: AsyncIterator[Event], after: int) -> AsyncIterator[Se
             data = orjson.dumps({"type": event["type"], "sequence_number": n,
                                  **event}).decode()
             yield ServerSentEvent(data=data, event=event["type"], id=str(n), sep="\n")
+
+
+async def unstored(_: dict[str, Any]) -> None:
+    """The `Finished` of a reply with `store` false."""
+
+
+async def closing(events: AsyncIterator[Event], choices: list[Choice]) -> AsyncIterator[Event]:
+    """The events; however the stream ends (a client gone too), its choices close."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await close_all(choices)

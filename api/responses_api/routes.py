@@ -6,15 +6,13 @@ because they live in Redis (`api.responses_api.store`) and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from api.choices import Choice
 from api.context import ServedModel
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest
@@ -25,11 +23,13 @@ from api.responses import json_response
 from api.responses_api import store
 from api.responses_api.body import ResponsesRequest
 from api.responses_api.conversation import chat_body, input_items, renamed
-from api.responses_api.render import RESPONSE_PREFIX, Event, ResponseMeta
-from api.responses_api.reply import Reply, numbered
+from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
+from api.responses_api.reply import Reply, closing, numbered, unstored
+from api.responses_api.resume import resume, view_state
 from api.routes import app_context, served, tenant_of
 from api.serving import Prepared, prepare, start
 from api.tokenization import chat_prompt_ids
+from shared.keys import new_request_id
 
 router = APIRouter()
 MAX_LIST = 100
@@ -43,14 +43,17 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
         ctx, body.previous_response_id, tenant, "previous_response_id")).conversation()
     chat = chat_body(body, history + input_items(body, ""), body.stream)
     prepared = await _prepared(model, chat, body.truncation == "auto")
-    started = await start(ctx, request, prepared, "chat", tenant)
+    request_id = new_request_id(ctx.replica)
+    items = history + input_items(body, RESPONSE_PREFIX + request_id)
+    state = view_state(body, items) if body.stream else None
+    started = await start(ctx, request, prepared, "chat", tenant, responses=state,
+                          base_id=request_id)
     spec = started.spec
-    meta = ResponseMeta(RESPONSE_PREFIX + spec.base_id, spec.created, model.name, body)
-    finished = (partial(store.save, ctx, tenant, history + input_items(body, meta.id))
-                if body.store else _unstored)
+    meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
+    finished = partial(store.save, ctx, tenant, items) if body.store else unstored
     reply = Reply(started.choices[0], meta, spec.prompt_tokens, finished)
     if body.stream:
-        return event_stream(numbered(_closing(reply.events(), started.choices), -1),
+        return event_stream(numbered(closing(reply.events(), started.choices), -1),
                             started.headers, BackgroundTask(close_all, started.choices),
                             ctx.settings.sse_ping_s)
     try:
@@ -61,8 +64,13 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(response_id: str, request: Request) -> Response:
+async def retrieve(response_id: str, request: Request, stream: bool = False,
+                   starting_after: Annotated[int, Query(ge=-1)] = -1) -> Response:
+    """The stored response; with `stream`, its stream replayed from the request's result
+    stream while that lives (events after the sequence number `starting_after`)."""
     ctx = app_context(request)
+    if stream:
+        return await resume(ctx, request, response_id, starting_after)
     stored = await store.load(ctx, response_id, tenant_of(request), "response_id")
     return json_response(stored.response)
 
@@ -121,17 +129,3 @@ def _without_oldest(chat: ChatCompletionRequest) -> ChatCompletionRequest | None
         return None
     drop = max(turns // 4, 1)
     return chat.model_copy(update={"messages": messages[:system] + messages[system + drop:]})
-
-
-async def _unstored(_: dict[str, Any]) -> None:
-    return None
-
-
-async def _closing(events: AsyncIterator[Event], choices: list[Choice]
-                   ) -> AsyncIterator[Event]:
-    """The events; however the stream ends (a client gone too), its choices close."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        await close_all(choices)
