@@ -22,7 +22,9 @@ from tests.stack import Stack
 MODEL = "tiny-llama"
 KEYS = {"REDSERVE_API_KEYS": "owner:sk-responses-owner,stranger:sk-responses-stranger",
         # A stream whose client left runs on this long, for a resume on any replica.
-        "REDSERVE_RESUME_GRACE_S": "20"}
+        "REDSERVE_RESUME_GRACE_S": "20",
+        # What the tests store outlives them by no more than this.
+        "REDSERVE_RESPONSE_TTL_S": "600"}
 AUTH = {"Authorization": "Bearer sk-responses-owner"}
 OWNER, STRANGER = "sk-responses-owner", "sk-responses-stranger"
 # Finite by construction, whatever the random model picks (as in tests/test_structured.py).
