@@ -101,9 +101,10 @@ class Output:
     def finish(self, status: str) -> list[Event]:
         """The last step: the open message closes (an empty reply still has one)."""
         if not self.items and self._message is None:
+            held, self._held = self._held, ""
             events = self._open_message()
-            assert self._message is not None
-            self._message["content"][0]["text"], self._held = self._held, ""
+            if held:  # a reply of whitespace only: it is the text
+                events += self.text(held)
             return events + self._close_message(status)
         return self._close_message(status)
 
