@@ -243,6 +243,9 @@ def test_a_cut_stream_resumes_on_the_other_replica(stack: Stack, two: openai.Ope
     whole = _replay(stack, 0, response_id, -1)
     assert whole[8:] == rest and [d for _, _, d in whole[:8]] == [d for _, _, d in seen]
     assert _replay(stack, 1, response_id, len(whole) - 1) == []
+    # Not as chat chunks: the request's own resume route points to this one.
+    as_chat = httpx.get(f"{stack.url(1)}/v1/requests/{response_id[5:]}/stream", headers=AUTH)
+    assert as_chat.status_code == 400 and "?stream=true" in as_chat.json()["error"]["message"]
     plain = two.responses.create(model=MODEL, input="x", max_output_tokens=2)
     refused = httpx.get(f"{stack.url(0)}/v1/responses/{plain.id}", headers=AUTH,
                         params={"stream": "true"})
