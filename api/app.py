@@ -15,6 +15,7 @@ from api.auth.keys import APIKeys, AuthConfigError
 from api.context import AppContext
 from api.lifespan import SHUTDOWN_ERROR, Lifespan
 from api.metrics import APIMetrics, CountResponses
+from api.responses_api import routes as responses_routes
 from api.trace import RouteNamedSpans
 from shared import tracing
 from shared.settings import ApiSettings
@@ -61,6 +62,7 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
     app.include_router(status.router)
     app.include_router(routes.router)
     app.include_router(tokenization.router)
+    app.include_router(responses_routes.router)
     app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     # Added last, so outermost: it sees the guard's refusals too.

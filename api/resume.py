@@ -54,7 +54,7 @@ READ_COUNT = 64
 # predates it renders with: a key at that value is left out, so such a replica (a rolling
 # upgrade) still reads the views that do not use it. queue_deadline 0: not recorded.
 _LATER: dict[str, Any] = {"queue_deadline": 0.0, "continuous_usage": False, "tools": False,
-                          "one_call": False, "skip_special_tokens": True}
+                          "one_call": False, "skip_special_tokens": True, "responses": None}
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ class StreamView:
     spec: ReplySpec
     deadline: float
     queue_deadline: float
+    # A Responses API stream's own rendering state (JSON, `api.responses_api.resume`): it
+    # resumes as that API's events, not as chat chunks.
+    responses: str | None = None
 
     def to_json(self) -> str:
         s = self.spec
@@ -74,7 +77,8 @@ class StreamView:
                 "include_stop": s.include_stop, "include_usage": s.include_usage,
                 "deadline": self.deadline, "queue_deadline": self.queue_deadline,
                 "continuous_usage": s.continuous_usage, "tools": s.tools,
-                "one_call": s.one_call, "skip_special_tokens": s.skip_special_tokens}
+                "one_call": s.one_call, "skip_special_tokens": s.skip_special_tokens,
+                "responses": self.responses}
         return orjson.dumps({k: v for k, v in data.items()
                              if k not in _LATER or v != _LATER[k]}).decode()
 
@@ -90,7 +94,7 @@ class StreamView:
             include_stop=data["include_stop"], include_usage=data["include_usage"],
             continuous_usage=data["continuous_usage"], tools=data["tools"],
             one_call=data["one_call"], skip_special_tokens=data["skip_special_tokens"])
-        return cls(spec, data["deadline"], data["queue_deadline"])
+        return cls(spec, data["deadline"], data["queue_deadline"], data["responses"])
 
 
 class Replay:

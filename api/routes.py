@@ -27,7 +27,7 @@ router = APIRouter()
 log = logging.getLogger("redserve.api")
 
 
-def _ctx(request: Request) -> AppContext:
+def app_context(request: Request) -> AppContext:
     ctx: AppContext = request.app.state.ctx
     return ctx
 
@@ -36,8 +36,8 @@ def _ctx(request: Request) -> AppContext:
 @router.delete("/v1/requests/{request_id}")
 async def cancel(request_id: str, request: Request) -> Response:
     """Cancel a request by id, from any replica. Only its tenant may."""
-    ctx = _ctx(request)
-    record = await _owned_state(ctx, request_id, request)
+    ctx = app_context(request)
+    record = await owned_state(ctx, request_id, request)
     current = record.state
     cancelled = current in (RequestState.QUEUED, RequestState.RUNNING)
     if cancelled:
@@ -58,13 +58,17 @@ async def cancel(request_id: str, request: Request) -> Response:
 async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
     result stream lives. Only its tenant may."""
-    ctx = _ctx(request)
-    record = await _owned_state(ctx, request_id, request)
+    ctx = app_context(request)
+    record = await owned_state(ctx, request_id, request)
     raw_view = record.stream
     if raw_view is None:
         raise APIError(400, f"request {request_id!r} is not a single-choice stream, so it "
                        "cannot be resumed", param="request_id", code="not_resumable")
     view = StreamView.from_json(raw_view)
+    if view.responses is not None:
+        raise APIError(400, f"request {request_id!r} is a Responses API stream: resume it "
+                       f"with GET /v1/responses/resp_{request_id}?stream=true",
+                       param="request_id", code="not_resumable")
     model = ctx.models.get(view.spec.model)
     if model is None:
         raise APIError(404, f"request {request_id!r} is for model {view.spec.model!r}, which "
@@ -72,30 +76,34 @@ async def resume_stream(request_id: str, request: Request) -> Response:
                        param="request_id", code="model_not_found")
     after = last_event_id(request.headers.get("last-event-id")
                           or request.query_params.get("last_event_id"))
-    # Tells the replica that served the first stream not to cancel it after its grace.
+    await mark_resumed(ctx, request_id)
+    resumed(record.trace, request_id, after)
+    return resume(ctx, model, request_id, view, after)
+
+
+async def mark_resumed(ctx: AppContext, request_id: str) -> None:
+    """Tells the replica that served the first stream not to cancel it after its grace."""
     try:
         await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
                                        ex=ctx.settings.request_ttl_s)
     except aioredis.RedisError as e:
         raise _state_unavailable(e) from e
-    resumed(record.trace, request_id, after)
-    return resume(ctx, model, request_id, view, after)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    ctx = _ctx(request)
-    model = _served(ctx, body.model)
+    ctx = app_context(request)
+    model = served(ctx, body.model)
     with tracing.span("redserve.tokenize"):
         prompt_ids = await chat_prompt_ids(model, body)
     prepared = await prepare(model, body, [prompt_ids])
-    return await generate(ctx, request, prepared, "chat", _tenant(request))
+    return await generate(ctx, request, prepared, "chat", tenant_of(request))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    ctx = _ctx(request)
-    model = _served(ctx, body.model)
+    ctx = app_context(request)
+    model = served(ctx, body.model)
     body.check_prompts(model)
     with tracing.span("redserve.tokenize"):
         prompts = [await model.codec.encode_text(p, body.add_special_tokens)
@@ -103,10 +111,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echoes = [model.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
     prepared = await prepare(model, body, prompts)
-    return await generate(ctx, request, prepared, "text", _tenant(request), echoes)
+    return await generate(ctx, request, prepared, "text", tenant_of(request), echoes)
 
 
-async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
+async def owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
     """The request's hash, if the caller's tenant owns it; another tenant's request looks
     exactly like a missing one."""
     missing = APIError(404, f"no request {request_id[:64]!r}", param="request_id",
@@ -122,7 +130,7 @@ async def _owned_state(ctx: AppContext, request_id: str, request: Request) -> Re
         record = RequestHash.decode(state)
     except ValueError:  # none (expired), or not what redserve writes
         raise missing from None
-    if record.tenant != _tenant(request):
+    if record.tenant != tenant_of(request):
         raise missing
     return record
 
@@ -133,7 +141,7 @@ def _state_unavailable(e: Exception) -> APIError:
                     code="redis_unavailable", headers={"Retry-After": "1"})
 
 
-def _served(ctx: AppContext, name: str) -> ServedModel:
+def served(ctx: AppContext, name: str) -> ServedModel:
     model = ctx.models.get(name)
     if model is None:
         served = ", ".join(f"'{n}'" for n in ctx.models)
@@ -142,7 +150,7 @@ def _served(ctx: AppContext, name: str) -> ServedModel:
     return model
 
 
-def _tenant(request: Request) -> str:
+def tenant_of(request: Request) -> str:
     """Set by `api.auth.guard` for every /v1/ route."""
     tenant: str = request.state.tenant
     return tenant

@@ -1,6 +1,7 @@
 """From a tokenized request to its reply: checked against its model (`prepare`, with the
 checks `api.protocol` owns), then one `Generation` per choice (`n` per prompt), merged into one
-SSE stream or one JSON object (`api.replies`) (`generate`)."""
+SSE stream or one JSON object (`api.replies`) (`generate`). `start` is the part every wire
+format shares: the Responses API (`api.responses_api`) renders the same choices its own way."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from api.generation import Generation
 from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.replies.collected import collect_unless_disconnected
+from api.replies.collected import collect, unless_disconnected
 from api.replies.merge import close_all
 from api.replies.streamed import sse
 from api.reply_spec import ReplySpec
@@ -58,12 +59,26 @@ async def prepare(model: ServedModel, body: ChatCompletionRequest | CompletionRe
     return Prepared(model, body, prompts, max_tokens, constraint)
 
 
-async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
-                   tenant: str, echoes: list[str] | None = None) -> Response:
-    """Queue one request per choice and answer with their merged reply (SSE or JSON);
-    `echoes`: each prompt's text, when the body asks for it back."""
+@dataclass(frozen=True)
+class Started:
+    """A reply's choices, all queued, and what rendering them needs: a renderer per wire
+    format (`_reply` for chat and completions, `api.responses_api` for responses) takes it
+    from here."""
+
+    choices: list[Choice]
+    spec: ReplySpec
+    headers: dict[str, str]
+
+
+async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
+                tenant: str, echoes: list[str] | None = None,
+                responses: str | None = None, base_id: str | None = None) -> Started:
+    """Queue one request per choice (rate limits, placement, admission as for any reply);
+    `echoes`: each prompt's text, when the body asks for it back; `responses`: a Responses
+    API stream's rendering state, stored for its resumption (`api.resume.StreamView`);
+    `base_id`: the request id, when the caller needed it first (`new_request_id`)."""
     body, model, now = prepared.body, prepared.model, time.time()
-    base_id = new_request_id(ctx.replica)
+    base_id = base_id or new_request_id(ctx.replica)
     spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
                                echoes)
     trace = ReplyTrace.start(body, spec.header, tenant)  # None unless traced
@@ -71,13 +86,23 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
                          _trace_id(request.headers.get("x-trace-id", "")), trace)
     _log_received(ctx, body, base_id, tenant, model.name)
     reservation = ctx.limits.reserve(ctx.policies.of(tenant), requests, spec.prompt_tokens)
-    generations = _generations(ctx, requests, spec, body.stream, reservation, trace)
+    generations = _generations(ctx, requests, spec, body.stream, reservation, responses,
+                               trace)
     choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     await _start_all(generations, choices, one_first=reservation is not None)
     _time_reply(ctx, generations, spec, tenant, now, body.stream, trace)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
-    return await _reply(request, choices, spec, headers, body.stream, ctx.settings.sse_ping_s)
+    return Started(choices, spec, headers)
+
+
+async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
+                   tenant: str, echoes: list[str] | None = None) -> Response:
+    """Queue one request per choice and answer with their merged chat or completions reply
+    (SSE or JSON)."""
+    started = await start(ctx, request, prepared, kind, tenant, echoes)
+    return await _reply(request, started.choices, started.spec, started.headers,
+                        prepared.body.stream, ctx.settings.sse_ping_s)
 
 
 def _trace_id(header: str) -> str:
@@ -139,11 +164,11 @@ def _log_received(ctx: AppContext, body: ChatCompletionRequest | CompletionReque
 
 def _generations(ctx: AppContext, requests: list[GenerateRequest], spec: ReplySpec,
                  stream: bool, reservation: Reservation | None,
-                 trace: ReplyTrace | None) -> list[Generation]:
+                 responses: str | None, trace: ReplyTrace | None) -> list[Generation]:
     """One per choice. The first counts its siblings and carries the reply's charge; a
     single-choice stream is resumable (see api/resume.py)."""
     first = requests[0]
-    view = (StreamView(spec, first.deadline, first.queue_deadline)
+    view = (StreamView(spec, first.deadline, first.queue_deadline, responses)
             if stream and len(requests) == 1 else None)
     return [Generation(ctx, req, siblings=len(requests) if i == 0 else 0, view=view,
                        streaming=stream, reservation=reservation, charges=i == 0,
@@ -187,10 +212,10 @@ async def _reply(request: Request, choices: list[Choice], spec: ReplySpec,
     if stream:
         return sse(choices, spec, headers, 0, ping_s)
     try:
-        reply = await collect_unless_disconnected(request, choices, spec)
+        reply = await unless_disconnected(request, collect(choices, spec))
     finally:
         await close_all(choices)
-    return json_response(reply, headers=headers)
+    return json_response(reply or {}, headers=headers)
 
 
 def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamView,

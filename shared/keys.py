@@ -17,6 +17,8 @@ enqueue a request (and the limits are per model, as OpenAI's are).
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel: the source of truth (TTL)
     {prefix}:{<replica>}:<id>:resumed      set when a client resumes its stream (TTL)
+    {prefix}:{<replica>}:<id>:response     hash: a stored `/v1/responses` reply,
+                                           `messages.StoredResponseField` (retention TTL)
     {prefix}:{<replica>}:feed              stream: every result entry for the replica (TTL)
     {prefix}:aborts                        stream announcing abort keys as they are set (TTL)
     {prefix}:worker:<name>                 heartbeat: `messages.Heartbeat`    (TTL)
@@ -120,6 +122,12 @@ class Keys:
 
     def resumed(self, request_id: str) -> str:
         return f"{self._base(request_id)}:resumed"
+
+    def response(self, request_id: str) -> str:
+        """A stored Responses API reply (`resp_<request id>`): beside its request's keys, so
+        any replica derives it from the response id alone, but with a TTL of its own
+        (`response_ttl_s`): it outlives the request by design."""
+        return f"{self._base(request_id)}:response"
 
     def feed(self, replica: str) -> str:
         return f"{self.prefix}:{{{replica}}}:feed"

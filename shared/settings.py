@@ -146,6 +146,10 @@ class ApiSettings(Settings):
     # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
     # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.
     placement: Literal["prefix", "random", "none"] = "prefix"
+    # A stored `/v1/responses` reply (`store`, the default) is kept in Redis this long, for
+    # `GET /v1/responses/{id}` and `previous_response_id` on any replica (OpenAI keeps them 30
+    # days). Each holds its whole conversation: see docs/operations.md for the memory it costs.
+    response_ttl_s: int = Field(default=30 * 86400, ge=1)
 
 
 class WorkerSettings(Settings):

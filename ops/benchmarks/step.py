@@ -48,7 +48,8 @@ from worker.engine.engine import Engine
 from worker.engine.sampler import Row, sample
 from worker.engine.threads import usable_cpus
 
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "_C::onednn_mm", "_C::weight_packed_linear", "aten::mm",
+              "aten::addmm", "aten::_weight_int8pack_mm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
                  "_C::cpu_attention_with_kv_cache", "_C::get_scheduler_metadata")

@@ -30,6 +30,8 @@ Queued-set member (`QueueMember`) and service counters (`ServiceCounters`): see 
 The Lua scripts that write these keys atomically, with typed KEYS, ARGV and replies, are in
 `shared.scripts` (the admission→take hand-off: `shared.scripts.handoff`).
 A worker's prefix summary (`PrefixSummary`): the public digests of its cached pages, binary.
+A stored Responses API reply (`StoredResponse`, fields `StoredResponseField`): JSON fields of one
+hash, written and read by the replicas only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
 from shared.messages.placement import PrefixSummary
 from shared.messages.queue import QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
+from shared.messages.responses import StoredResponse, StoredResponseField
 from shared.messages.results import (
     FEED_RETENTION_S,
     Error,
@@ -64,7 +67,8 @@ __all__ = [
     "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "KernelSet",
     "PrefixSummary",
     "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
-    "SamplingParams", "ServiceCounters", "TokenLogprob", "Tokens", "decode_feed",
+    "SamplingParams", "ServiceCounters", "StoredResponse", "StoredResponseField",
+    "TokenLogprob", "Tokens", "decode_feed",
     "decode_result", "expand", "feed_fields", "feed_marker", "feed_min_id", "feed_payload",
     "is_terminal", "no_worker", "queue_timeout",
 ]

@@ -1,0 +1,68 @@
+"""A Responses API stream resumed on any replica: `GET /v1/responses/{id}?stream=true&
+starting_after=N` replays the request's result stream (`api.resume.Replay`) through the same
+renderer, so its events, and their sequence numbers, are those of the first stream, and sends
+those after N.
+
+What the renderer needs beyond the chat `ReplySpec` rides in the request's `StreamView`: the
+body (less its input, which the prompt already holds) and the conversation to store the
+response with. A replay stores the finished response as the first stream would have, so a
+conversation survives the replica that started its turn dying mid-stream.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.background import BackgroundTask
+
+from api.context import AppContext
+from api.errors import APIError
+from api.replies.merge import close_all
+from api.replies.streamed import event_stream
+from api.responses_api import store
+from api.responses_api.body import ResponsesRequest
+from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
+from api.responses_api.reply import Reply, closing, numbered, unstored
+from api.resume import Replay, StreamView
+from api.routes import mark_resumed, owned_state, tenant_of
+
+
+def view_state(body: ResponsesRequest, items: list[dict[str, Any]]) -> str:
+    """What a replay of this stream needs, as stored in its `StreamView`."""
+    echoed = body.model_copy(update={"input": ""})
+    return orjson.dumps({"body": echoed.model_dump(mode="json", by_alias=True,
+                                                   exclude_none=True),
+                         "items": items}).decode()
+
+
+async def resume(ctx: AppContext, request: Request, response_id: str, after: int) -> Response:
+    request_id = store.request_id_of(response_id)
+    if request_id is None:
+        raise APIError(404, f"Response with id {response_id[:140]!r} not found.",
+                       param="response_id", code="not_found")
+    raw_view = (await owned_state(ctx, request_id, request)).stream
+    view = StreamView.from_json(raw_view) if raw_view is not None else None
+    if view is None or view.responses is None:
+        raise APIError(400, f"response {response_id!r} was not streamed, so it cannot be "
+                       "resumed", param="stream", code="not_resumable")
+    spec = view.spec
+    model = ctx.models.get(spec.model)
+    if model is None:
+        raise APIError(404, f"response {response_id!r} is for model {spec.model!r}, which "
+                       "this replica does not serve; resume it on one that does",
+                       param="response_id", code="model_not_found")
+    state = orjson.loads(view.responses)
+    body = ResponsesRequest.model_validate(state["body"])
+    await mark_resumed(ctx, request_id)
+    choice = spec.choice(Replay(ctx, request_id, view), model.codec)
+    meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, spec.model, body)
+    finished = (partial(store.save, ctx, tenant_of(request), state["items"]) if body.store
+                else unstored)
+    reply = Reply(choice, meta, spec.prompt_tokens, finished)
+    return event_stream(numbered(closing(reply.events(), [choice]), after),
+                        {"X-Request-Id": request_id}, BackgroundTask(close_all, [choice]),
+                        ctx.settings.sse_ping_s)

@@ -1,0 +1,131 @@
+"""OpenAI's Responses API on any replica: `POST /v1/responses` through the same generation
+path as chat (`api.serving.start`: rate limits, tenants' shares, placement, admission), and its
+stored responses, read, listed, chained and deleted from whichever replica a call reaches,
+because they live in Redis (`api.responses_api.store`) and nowhere else.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from starlette.background import BackgroundTask
+
+from api.context import ServedModel
+from api.errors import APIError
+from api.protocol import ChatCompletionRequest
+from api.replies.collected import unless_disconnected
+from api.replies.merge import close_all
+from api.replies.streamed import event_stream
+from api.responses import json_response
+from api.responses_api import store
+from api.responses_api.body import ResponsesRequest
+from api.responses_api.conversation import chat_body, input_items, renamed
+from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
+from api.responses_api.reply import Reply, closing, numbered, unstored
+from api.responses_api.resume import resume, view_state
+from api.routes import app_context, served, tenant_of
+from api.serving import Prepared, prepare, start
+from api.tokenization import chat_prompt_ids
+from shared.keys import new_request_id
+
+router = APIRouter()
+MAX_LIST = 100
+
+
+@router.post("/v1/responses")
+async def create(body: ResponsesRequest, request: Request) -> Response:
+    ctx, tenant = app_context(request), tenant_of(request)
+    model = served(ctx, body.model)
+    history = [] if body.previous_response_id is None else (await store.load(
+        ctx, body.previous_response_id, tenant, "previous_response_id")).conversation()
+    chat = chat_body(body, history + input_items(body, ""), body.stream)
+    prepared = await _prepared(model, chat, body.truncation == "auto")
+    request_id = new_request_id(ctx.replica)
+    items = history + input_items(body, RESPONSE_PREFIX + request_id)
+    state = view_state(body, items) if body.stream else None
+    started = await start(ctx, request, prepared, "chat", tenant, responses=state,
+                          base_id=request_id)
+    spec = started.spec
+    meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
+    finished = partial(store.save, ctx, tenant, items) if body.store else unstored
+    reply = Reply(started.choices[0], meta, spec.prompt_tokens, finished)
+    if body.stream:
+        return event_stream(numbered(closing(reply.events(), started.choices), -1),
+                            started.headers, BackgroundTask(close_all, started.choices),
+                            ctx.settings.sse_ping_s)
+    try:
+        whole = await unless_disconnected(request, reply.whole())
+    finally:
+        await close_all(started.choices)
+    return json_response(whole or {}, headers=started.headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, request: Request, stream: bool = False,
+                   starting_after: Annotated[int, Query(ge=-1)] = -1) -> Response:
+    """The stored response; with `stream`, its stream replayed from the request's result
+    stream while that lives (events after the sequence number `starting_after`)."""
+    ctx = app_context(request)
+    if stream:
+        return await resume(ctx, request, response_id, starting_after)
+    stored = await store.load(ctx, response_id, tenant_of(request), "response_id")
+    return json_response(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(response_id: str, request: Request) -> Response:
+    await store.delete(app_context(request), response_id, tenant_of(request))
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str, request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> Response:
+    """The conversation the response answered (earlier turns' items included), a page at a
+    time, newest first unless `order=asc`."""
+    ctx = app_context(request)
+    items = (await store.load(ctx, response_id, tenant_of(request), "response_id")).input_items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"after: no input item {after[:140]!r} in this response",
+                           param="after", code="invalid_value")
+        items = items[at + 1:]
+    page = items[:limit]
+    return json_response({"object": "list", "data": page,
+                          "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None,
+                          "has_more": len(items) > limit})
+
+
+async def _prepared(model: ServedModel, chat: ChatCompletionRequest,
+                    truncate: bool) -> Prepared:
+    """The chat body tokenized and checked; with `truncation: auto`, the oldest turns are
+    dropped (a quarter of them at a time, the instructions kept) until it fits the context."""
+    while True:
+        try:
+            return await prepare(model, chat, [await chat_prompt_ids(model, chat)])
+        except APIError as e:
+            shorter = _without_oldest(chat) if truncate else None
+            if e.code != "context_length_exceeded" or shorter is None:
+                raise renamed(e) from None
+            chat = shorter
+
+
+def _without_oldest(chat: ChatCompletionRequest) -> ChatCompletionRequest | None:
+    messages = chat.messages
+    system = 1 if messages and messages[0].role == "system" else 0
+    turns = len(messages) - system
+    if turns <= 1:
+        return None
+    drop = max(turns // 4, 1)
+    return chat.model_copy(update={"messages": messages[:system] + messages[system + drop:]})
