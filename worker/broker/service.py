@@ -47,6 +47,11 @@ from worker.engine.engine import AdmissionError, Engine, StepOutput
 log = logging.getLogger("redserve.worker")
 
 LOST_REDIS = Error("the worker lost its connection to Redis", "server_error", "redis_unavailable")
+# A Redis outage this short is ridden out: the requests held wait (no step runs), and go on
+# once their results are written. Longer than a failover takes at a `down-after-milliseconds`
+# of 1 s; the same as the replicas' (api/reader.py), which end their streams after it.
+RIDE_OUT_S = 2.5
+RIDE_OUT_RETRY_S = 0.1
 TIMED_OUT = Error("request timed out", "timeout", "request_timeout")
 
 
@@ -76,6 +81,7 @@ class WorkerService:
                    self.scheduler.pages.summary),
             Upkeep(self.publisher, self.recovery, self.intake, self.aborts))
         self.stopping = asyncio.Event()
+        self._failovers = 0  # the clients' count of failovers when last looked at
         self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/engine/dev_hooks.py)
 
     def _room(self) -> int:
@@ -144,6 +150,9 @@ class WorkerService:
 
     async def _serve(self) -> None:
         while not self.stopping.is_set():
+            if self.clients.failovers != self._failovers:  # what the old primary lost
+                self._failovers = self.clients.failovers
+                self.publisher.reassert_recent()
             self._admit(self.intake.take())
             try:
                 if self.scheduler.has_work():
@@ -155,8 +164,13 @@ class WorkerService:
                 await self._ride_out_outage(e)
 
     async def _ride_out_outage(self, error: aioredis.RedisError) -> None:
-        """End every request held (each gets an error entry, kept until Redis takes it),
-        then retry until the outbox is written."""
+        """Retry for up to `RIDE_OUT_S` (a failover): if Redis takes what is staged by then,
+        the requests held go on. Otherwise end every request held (each gets an error entry,
+        kept until Redis takes it), then retry until the outbox is written. Either way the
+        endings written just before may have been lost with the old primary: they are
+        written again where missing."""
+        if await self._brief_outage(error):
+            return
         log.error("lost Redis (%s): ending %d request(s); retrying", error,
                   self.scheduler.stats().requests)
         for seq in [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]:
@@ -177,6 +191,24 @@ class WorkerService:
                 continue
             log.info("Redis is back; serving again")
             return
+
+    async def _brief_outage(self, error: aioredis.RedisError) -> bool:
+        """True once Redis has taken the outbox, within `RIDE_OUT_S`."""
+        log.warning("lost Redis (%s): holding %d request(s) for up to %gs", error,
+                    self.scheduler.stats().requests, RIDE_OUT_S)
+        until = time.monotonic() + RIDE_OUT_S
+        while not self.stopping.is_set() and time.monotonic() < until:
+            await asyncio.sleep(RIDE_OUT_RETRY_S)
+            try:
+                self.publisher.reassert_recent()
+                self.publisher.forget(await self.recovery.taken_by_others())
+                await self.publisher.flush()
+                await self.intake.ensure_group()
+            except aioredis.RedisError:
+                continue
+            log.info("Redis answers again; the requests held go on")
+            return True
+        return False
 
     async def _step(self) -> None:
         held = {rid: seq.request for rid, seq in self.scheduler.running.items()}
