@@ -68,7 +68,7 @@ BLOCK_MS = 1000
 # Longer than a failover at a `down-after-milliseconds` of 1 s (docs/operations.md), which
 # streams ride out; retried at least every OUTAGE_RETRY_CAP_S meanwhile.
 OUTAGE_AFTER_S = 2.5
-OUTAGE_RETRY_CAP_S = 0.25
+OUTAGE_RETRY_CAP_S = 0.1
 # While some client is behind, read with a short block so it catches up promptly once it
 # reads again.
 BEHIND_BLOCK_MS = 20

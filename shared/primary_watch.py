@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger("redserve.redis")
 
-EVERY_S = 0.2
+EVERY_S = 0.1
 
 Address = tuple[str, int]
 
