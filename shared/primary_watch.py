@@ -11,7 +11,7 @@ wakes, or that `SENTINEL FAILOVER` left up until the Sentinels reconfigure it, g
 accepting writes on those connections meanwhile, and loses them when it becomes a replica.
 
 So each process that connects through the Sentinels runs one `PrimaryWatch`: every `EVERY_S`
-it asks them (in turn, as the pools do) where the primary is, and once the answer changes it
+it asks each of them where the primary is, and once the newest answer changes it
 closes every connection of its pools to any other server, in use or not: a command waiting on
 one fails at once with a connection error, as if the server had closed it, and the caller's
 own retry reconnects, to the new primary. `failovers` counts the changes seen, so the parts
@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
@@ -48,6 +49,7 @@ class PrimaryWatch:
         self.drops: list[Callable[[Address], Awaitable[None]]] = []
         self.primary: Address | None = None
         self.failovers = 0
+        self._epoch = 0  # the Sentinels' configuration epoch of `primary`
         self._task: asyncio.Task[None] | None = None
 
     def ensure_running(self) -> None:
@@ -64,27 +66,44 @@ class PrimaryWatch:
 
     async def _run(self) -> None:
         while True:
-            try:
-                address = await self._sentinel.discover_master(self._master)
-            except RedisError:  # no Sentinel answers, or none knows a primary: look again
-                address = None
-            if address is not None:
-                await self.seen(address)
+            found = await self._ask()
+            if found is not None:
+                await self.seen(*found)
             await asyncio.sleep(EVERY_S)
 
-    async def seen(self, address: Sequence[object]) -> None:
-        """The Sentinels name `address` (host, port) as the primary now."""
-        host, port = address
-        now = (str(host), int(str(port)))
-        if self.primary is None:
-            self.primary = now
+    async def _ask(self) -> tuple[Address, int] | None:
+        """The primary named by the Sentinel with the newest configuration epoch (a Sentinel
+        that has not yet heard of a failover still names the old primary: believing whichever
+        answered first would flap between the two), and that epoch; None if none answers."""
+        answers: list[Any] = await asyncio.gather(
+            *(s.sentinel_master(self._master) for s in self._sentinel.sentinels),
+            return_exceptions=True)  # at once: one that does not answer holds up no other
+        best: tuple[Address, int] | None = None
+        for state in answers:
+            if isinstance(state, BaseException):
+                if isinstance(state, RedisError):
+                    continue
+                raise state
+            if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
+                continue
+            epoch = int(state.get("config-epoch", 0))
+            if best is None or epoch > best[1]:
+                best = (str(state["ip"]), int(state["port"])), epoch
+        return best
+
+    async def seen(self, address: Address, epoch: int) -> None:
+        """The Sentinels name `address` as the primary in configuration `epoch`; an older
+        epoch than one seen already is a Sentinel lagging behind, and changes nothing."""
+        if self.primary is None or epoch < self._epoch:
+            self.primary, self._epoch = self.primary or address, max(epoch, self._epoch)
             return
-        if now == self.primary:
+        if address == self.primary:
+            self._epoch = epoch
             return
         log.warning("the Sentinels name a new primary %s:%d (was %s:%d): dropping the "
-                    "connections to the old one", *now, *self.primary)
-        self.primary = now
+                    "connections to the old one", *address, *self.primary)
+        self.primary, self._epoch = address, epoch
         self.failovers += 1
         for drop in self.drops:
             with contextlib.suppress(Exception):  # a close that fails leaves nothing to do
-                await drop(now)
+                await drop(address)
