@@ -27,8 +27,8 @@ from api.limits.replies import headers as limit_headers
 from api.limits.replies import rate_limited
 from api.limits.reservation import Reservation
 from api.metrics import ReplyTimer, abort_cause
-from api.reader import Subscription
 from api.resume import StreamView
+from api.subscription import Subscription
 from api.trace import ReplyTrace
 from shared.aborts import stage_aborts
 from shared.messages import (
@@ -48,6 +48,9 @@ log = logging.getLogger("redserve.api")
 
 CLOSED = Error("the request was closed", "server_error", "closed")
 _NO_SPAN = contextlib.nullcontext()
+LOST_ADMISSION = Error("the request was lost when Redis failed over (its primary acknowledged "
+                       "it and never passed it on); retry it", "server_error",
+                       "redis_unavailable")
 # How often a request waiting for its next entry looks whether its model still has a live
 # worker (the view itself is refreshed every second: api/worker_watch.py).
 WATCH_S = 1.0
@@ -92,6 +95,10 @@ class Generation:
         # When a worker was last heard of for this request (an entry), or it was admitted:
         # the start of a wait for a worker that may be gone (`_next`).
         self._heard = time.time()
+        # The reader's count of outages and failovers when this request was admitted: after
+        # one, a request still queued looks whether the new primary has it (`_lost`).
+        self._recoveries = ctx.reader.recoveries
+        self._looks_lost = False
 
     @property
     def request_id(self) -> str:
@@ -212,6 +219,8 @@ class Generation:
             except TimeoutError:
                 if ctx.workers.abandoned(model, self._heard, ctx.settings.queue_timeout_s):
                     return no_worker(model)
+                if queued and await self._lost():
+                    return LOST_ADMISSION
                 if time.time() < until:
                     continue
                 if not queued:
@@ -243,6 +252,31 @@ class Generation:
             self._produced = max(self._produced or 0, entry.index + len(entry.ids))
         elif isinstance(entry, Finish):
             self._produced = max(self._produced or 0, entry.completion_tokens)
+
+    async def _lost(self) -> bool:
+        """After an outage or a failover (the reader came back from one since this request
+        was admitted), whether the primary lost its admission: its hash is gone, or it says
+        queued while the model's entries hash has no entry for it and no result came. A
+        worker that took it a moment ago clears both before it writes its state, so the
+        request is lost only if it looks so twice, `WATCH_S` apart (a false alarm ends it with
+        the same retryable error, and its worker stops at the abort)."""
+        if self._recoveries == self.ctx.reader.recoveries:
+            return False
+        ctx, req = self.ctx, self.request
+        pipe = ctx.clients.commands.pipeline(transaction=False)
+        pipe.hget(ctx.keys.state(req.id), RequestField.STATE)
+        pipe.hexists(ctx.keys.entries(req.model), req.id)
+        pipe.exists(ctx.keys.out(req.id))
+        try:
+            state, entry, out = await pipe.execute()
+        except aioredis.RedisError:
+            return False  # the reader ends it if Redis stays away
+        looks_lost = state is None or (state == RequestState.QUEUED.encode()
+                                       and not entry and not out)
+        lost, self._looks_lost = looks_lost and self._looks_lost, looks_lost
+        if not looks_lost:
+            self._recoveries = ctx.reader.recoveries
+        return lost
 
     async def _still_queued(self) -> bool:
         state_key = self.ctx.keys.state(self.request.id)

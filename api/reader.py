@@ -46,12 +46,11 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from api.subscription import Subscription
 from shared.keys import Keys
 from shared.messages import (
     Error,
-    Finish,
     ResultEntry,
-    Tokens,
     decode_feed,
     decode_result,
     expand,
@@ -66,7 +65,10 @@ log = logging.getLogger("redserve.api.reader")
 READ_COUNT = 64  # most feed entries per read; most stream entries per catch-up read
 BLOCK_MS = 1000
 # Reads failing this long mean Redis is gone: open requests end with an error, not a hang.
-OUTAGE_AFTER_S = 1.0
+# Longer than a failover at a `down-after-milliseconds` of 1 s (docs/operations.md), which
+# streams ride out; retried at least every OUTAGE_RETRY_CAP_S meanwhile.
+OUTAGE_AFTER_S = 2.5
+OUTAGE_RETRY_CAP_S = 0.1
 # While some client is behind, read with a short block so it catches up promptly once it
 # reads again.
 BEHIND_BLOCK_MS = 20
@@ -84,64 +86,6 @@ MALFORMED = Error("the worker sent a malformed result entry", "server_error", "m
 
 
 @dataclass
-class Subscription:
-    request_id: str
-    key: str  # its result stream
-    queue: asyncio.Queue[ResultEntry]
-    next_index: int = 0  # the next token index it expects
-    ended: bool = False  # a terminal entry has been routed
-    failed: bool = False  # ...and it came from this replica, not from a worker
-    behind: bool = False  # off the feed: reads its own stream until level
-    stream_id: bytes | str = "0-0"  # how far it has read its own stream
-    behind_since: float | None = None  # when it last had no room
-    # While behind: its newest feed entries, to rejoin the feed with once the record is read.
-    stash: list[ResultEntry] = field(default_factory=list)
-    level: bool = False  # read to its record's end, not yet back on the feed
-    polled: float = 0.0  # when its record was last read
-
-    def fail(self, error: Error) -> None:
-        """End the request here: drop what is buffered, deliver `error` next."""
-        if self.ended:
-            return
-        while not self.queue.empty():
-            self.queue.get_nowait()
-        self.queue.put_nowait(error)
-        self.ended = self.failed = True
-
-    def offer(self, entries: list[ResultEntry], room: int) -> str:
-        """Queue what is new in `entries` (in order, all or none): "ok", or why it cannot
-        ("gap": tokens are missing before these; "full": no room)."""
-        fresh: list[ResultEntry] = []
-        expected = self.next_index
-        for entry in entries:
-            if isinstance(entry, Tokens):
-                skip = expected - entry.index
-                if skip < 0:
-                    return "gap"
-                if skip >= len(entry.ids):
-                    continue  # seen already
-                if skip:
-                    entry = Tokens(expected, entry.ids[skip:],
-                                   entry.logprobs[skip:] if entry.logprobs else None)
-                expected = entry.index + len(entry.ids)
-            fresh.append(entry)
-        if self.ended or not fresh:
-            return "ok"
-        if self.queue.qsize() + len(fresh) > room:
-            return "full"
-        for entry in fresh:
-            self.queue.put_nowait(entry)
-        self.next_index = expected
-        self.ended = isinstance(fresh[-1], Finish | Error)
-        return "ok"
-
-    def keep(self, entries: list[ResultEntry], limit: int) -> None:
-        """Stash feed entries that arrived while behind: the newest `limit`."""
-        self.stash.extend(entries)
-        del self.stash[:-limit]
-
-
-@dataclass
 class ResultReader:
     clients: RedisClients
     keys: Keys
@@ -154,6 +98,8 @@ class ResultReader:
     _ttl_s: int = 3600
     _feed_checked: float = 0.0
     _task: asyncio.Task[None] | None = None
+    _failovers: int = 0  # the clients' count of failovers when last looked at
+    recoveries: int = 0  # outages and failovers this reader has come back from
     restarts: int = 0
     waiting: str | None = None  # while Redis does not answer at start: why
     _connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -264,7 +210,7 @@ class ResultReader:
                 await asyncio.sleep(RESTART_PAUSE_S)
 
     async def _run(self) -> None:
-        backoff = RedisBackoff("result reader", start=0.05, cap=2.0, log=log)
+        backoff = RedisBackoff("result reader", start=0.05, cap=OUTAGE_RETRY_CAP_S, log=log)
         failing_since: float | None = None
         while True:
             now = time.monotonic()
@@ -272,11 +218,16 @@ class ResultReader:
                 if now - self._feed_checked > FEED_CHECK_S:
                     await self._check_feed()
                     self._feed_checked = now
+                if self.clients.failovers != self._failovers:
+                    self._failovers = self.clients.failovers
+                    self._recovered("the primary moved")
                 waiting = await self._catch_up(now)
                 response = await self.clients.blocking.xread(
                     {self.feed_key: self._feed_id}, count=READ_COUNT,
                     block=BEHIND_BLOCK_MS if waiting else BLOCK_MS)
                 backoff.reset()
+                if failing_since is not None:
+                    self._recovered("Redis answers again")
                 failing_since = None
             except aioredis.RedisError as e:
                 failing_since = failing_since or now
@@ -289,6 +240,15 @@ class ResultReader:
                 for entry_id, fields in entries:
                     self._feed_id = entry_id
                     self._route_feed(fields)
+
+    def _recovered(self, why: str) -> None:
+        """The feed may miss entries the record has (lost with the old primary, or added to
+        the new one under an id read past on the old): one with a terminal entry would leave
+        no gap to see. Every open request catches up from its record."""
+        self.recoveries += 1
+        log.warning("%s: every open request catches up from its result stream", why)
+        for sub in self.subscriptions.values():
+            sub.behind = True
 
     async def _check_feed(self) -> None:
         """Refresh the feed's TTL. If it is gone (Redis lost its data), make it anew; if it

@@ -9,7 +9,9 @@
 
 `connect` is the one place a process makes them, for each of the three shapes of Redis it may
 be given: one server (or a managed endpoint whose name moves to the new primary), a Redis
-Cluster, or a primary that Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`).
+Cluster, or a primary that Sentinel fails over (`redis+sentinel://`, `shared/redis_address.py`;
+its `PrimaryWatch`, `shared/primary_watch.py`, closes the connections to an old primary as
+soon as the Sentinels name a new one, rather than at their socket timeout).
 A connection whose server turned replica (READONLY, or the UNBLOCKED error a demoted primary
 gives a blocked XREAD) drops itself and fails as a lost connection does, so the next call
 connects again: Sentinel's pools ask the Sentinels where the primary is now, and a plain URL's
@@ -25,6 +27,7 @@ primary has never seen answers NOSCRIPT and redis-py's `Script` loads it and run
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,10 +38,12 @@ from redis.asyncio.sentinel import (
     DEMOTED_MASTER_UNBLOCKED_ERROR,
     Sentinel,
     SentinelConnectionPool,
+    SentinelManagedConnection,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 
+from shared.primary_watch import Address, PrimaryWatch
 from shared.redis_address import SentinelAddress, is_sentinel_url, parse_sentinel_url, public
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -53,8 +58,17 @@ class RedisClients:
     blocking: aioredis.Redis
     sentinel: Sentinel | None = None  # the Sentinels both ask, when Sentinel finds the primary
     where: str = ""  # the URL, its passwords masked: what a log line names
+    watch: PrimaryWatch | None = None  # with Sentinel: follows the primary as it moves
+
+    @property
+    def failovers(self) -> int:
+        """Changes of primary seen so far (always 0 without Sentinel): a part that must check
+        what a failover may have lost compares it with the count it last saw."""
+        return 0 if self.watch is None else self.watch.failovers
 
     async def close(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
         await self.commands.aclose()
         await self.blocking.aclose()
         if self.sentinel is not None:
@@ -81,11 +95,12 @@ def connect(url: str, *, name: str, max_connections: int = 64,
     if is_sentinel_url(url):
         address = parse_sentinel_url(url)
         sentinel = _sentinels(address)
+        watch = PrimaryWatch(sentinel, address.master)
         return RedisClients(
-            commands=_primary(sentinel, address, max_connections, 10.0, name, common),
-            blocking=_primary(sentinel, address, 4, BLOCKING_TIMEOUT_S, f"{name}-block",
-                              common),
-            sentinel=sentinel, where=public(url),
+            commands=_primary(sentinel, address, watch, max_connections, 10.0, name, common),
+            blocking=_primary(sentinel, address, watch, 4, BLOCKING_TIMEOUT_S,
+                              f"{name}-block", common),
+            sentinel=sentinel, where=public(url), watch=watch,
         )
     common["connection_class"] = _following(url)
     commands = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
@@ -137,7 +152,28 @@ def _following(url: str) -> type[aioredis.connection.AbstractConnection]:
 
 class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """Sentinel's pool (it finds the primary) with the blocking pool's bound (a burst waits
-    for a free connection): the two only meet in `ConnectionPool`, so the mix is sound."""
+    for a free connection): the two only meet in `ConnectionPool`, so the mix is sound. Its
+    first connection starts the process's `PrimaryWatch`, which calls `drop_others` when the
+    primary moves."""
+
+    watch: PrimaryWatch | None = None
+
+    async def get_master_address(self) -> Any:
+        if self.watch is not None:
+            self.watch.ensure_running()
+        return await super().get_master_address()
+
+    async def drop_others(self, primary: Address) -> None:
+        """Close every connection, idle or in use, to a server other than `primary`: a
+        command waiting on one fails at once (ConnectionError) instead of at its socket
+        timeout, and the next connection goes to `primary`."""
+        self.master_address = primary
+        connections = [*self._available_connections, *self._in_use_connections]
+        stale = [c for c in connections
+                 if isinstance(c, SentinelManagedConnection) and c.host
+                 and (c.host, int(c.port)) != primary]
+        await asyncio.gather(*(c.disconnect(nowait=True) for c in stale),
+                             return_exceptions=True)
 
 
 # Asking a Sentinel is short: one that does not answer in this long is skipped for the next.
@@ -155,14 +191,18 @@ def _sentinels(address: SentinelAddress) -> Sentinel:
     )
 
 
-def _primary(sentinel: Sentinel, address: SentinelAddress, max_connections: int,
-             socket_timeout: float, name: str, common: dict[str, Any]) -> aioredis.Redis:
+def _primary(sentinel: Sentinel, address: SentinelAddress, watch: PrimaryWatch,
+             max_connections: int, socket_timeout: float, name: str,
+             common: dict[str, Any]) -> aioredis.Redis:
     """A client of the primary that the Sentinels name now, whoever that is."""
     client: aioredis.Redis = sentinel.master_for(
         address.master, connection_pool_class=_BoundedSentinelPool,
         max_connections=max_connections, socket_timeout=socket_timeout, client_name=name,
         db=address.db, username=address.username, password=address.password,
         ssl=address.tls, **common)
+    pool = cast(_BoundedSentinelPool, client.connection_pool)
+    pool.watch = watch
+    watch.drops.append(pool.drop_others)
     return client
 
 

@@ -32,6 +32,8 @@ written; from then on nothing refreshes it.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -55,6 +57,10 @@ from worker.broker.staged import Ending, Staged
 from worker.engine.engine import StepOutput
 
 BATCH_S = 0.5
+# Terminal entries written this recently are written again (if their record lacks one) after
+# a failover: the old primary may have acknowledged them and never passed them on. Longer
+# than a failover takes to be seen (`down-after-milliseconds`, the election, the watch).
+RECENT_S = 10.0
 # How often the offset between this clock and Redis's is read again (the feed is trimmed by
 # Redis's clock, see `feed_min_id`).
 CLOCK_S = 60.0
@@ -81,6 +87,8 @@ class Publisher:
         self._batch = Staged()  # acks, sent every BATCH_S
         self._batch_sent = 0.0
         self._terminal_once = TERMINAL_ONCE.bind(redis)
+        # Endings written in the last RECENT_S, with their request-stream entries.
+        self._recent: collections.deque[tuple[float, Ending, str | None]] = collections.deque()
         self._clock_offset = 0.0  # Redis's time less this machine's
         self._clock_read = float("-inf")  # monotonic time of the last read
 
@@ -183,6 +191,21 @@ class Publisher:
         self._written(staged.endings)
         if batch_now and self._batch:  # what those endings freed, now rather than later
             await self.flush(batch_now=True)
+
+    def reassert_recent(self) -> None:
+        """After a failover or an outage: the endings written in the last `RECENT_S` go to
+        the outbox, to be added again to every record that does not end with one (a lost
+        write), and their entries acknowledged again (a lost XACK would leave the request
+        pending, for another worker to claim and run again)."""
+        now = time.monotonic()
+        for at, ending, entry_id in self._recent:
+            if now - at > RECENT_S:
+                continue
+            self._outbox.endings.append(dataclasses.replace(ending, clock=None, again=True))
+            if entry_id is not None:
+                self._outbox.acks.append(entry_id)
+        self._recent.clear()
+        self.lost_streams()
 
     def _failed(self, staged: Staged) -> None:
         staged.keep_for_retry(self._outbox)
@@ -302,11 +325,16 @@ class Publisher:
 
     def _written(self, endings: list[Ending]) -> None:
         """Terminal entries now in Redis: their requests' stream entries are done."""
-        now = time.time()
+        now, clock = time.time(), time.monotonic()
         for ending in endings:
             entry_id = self.entry_ids.pop(ending.request_id, None)
             if entry_id is not None:
                 self._batch.acks.append(entry_id)
+            if ending.again:  # counted when it was first written
+                continue
+            self._recent.append((clock, ending, entry_id))
+            while clock - self._recent[0][0] > RECENT_S:
+                self._recent.popleft()
             if self.metrics is not None:
                 entry, live = ending.entry, ending.live
                 if isinstance(entry, Finish):

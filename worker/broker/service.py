@@ -7,9 +7,8 @@ step costs no Redis command beyond its tokens; both are applied at the step boun
 cancelled request's pages are freed. A request past its deadline is ended there too.
 
 When Redis fails mid-step, nothing already decided is lost: the step's outputs are still staged,
-every terminal entry waits in the publisher's outbox, and the requests still running end with a
-clear error (their clients' replicas give up on an unreachable Redis too). Once Redis answers
-again the outbox goes out first and the worker serves on.
+and every terminal entry waits in the publisher's outbox; worker/broker/outage.py rides the
+outage out or ends the requests held.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from shared.settings import WorkerSettings
 from worker.broker.aborts import AbortWatch
 from worker.broker.intake import Intake
 from worker.broker.metrics import WorkerMetrics
+from worker.broker.outage import Outage
 from worker.broker.presence import Presence, Upkeep, Worker
 from worker.broker.publisher import Publisher
 from worker.broker.recovery import Claimed, Recovery, lost_tail, too_many_deliveries
@@ -48,7 +48,6 @@ from worker.engine.engine import AdmissionError, Engine, StepOutput
 
 log = logging.getLogger("redserve.worker")
 
-LOST_REDIS = Error("the worker lost its connection to Redis", "server_error", "redis_unavailable")
 TIMED_OUT = Error("request timed out", "timeout", "request_timeout")
 
 
@@ -80,6 +79,9 @@ class WorkerService:
                    self.scheduler.pages.summary),
             Upkeep(self.publisher, self.recovery, self.intake, self.aborts))
         self.stopping = asyncio.Event()
+        self.outage = Outage(self.scheduler, self.publisher, self.intake, self.recovery,
+                             self.stopping)
+        self._failovers = 0  # the clients' count of failovers when last looked at
         self.fault_token_id = DevHooks().fault_token_id  # tests only (worker/engine/dev_hooks.py)
 
     def _room(self) -> int:
@@ -148,6 +150,9 @@ class WorkerService:
 
     async def _serve(self) -> None:
         while not self.stopping.is_set():
+            if self.clients.failovers != self._failovers:  # what the old primary lost
+                self._failovers = self.clients.failovers
+                self.publisher.reassert_recent()
             self._admit(self.intake.take())
             try:
                 if self.scheduler.has_work():
@@ -156,31 +161,7 @@ class WorkerService:
                     await self.publisher.flush(batch_now=True)
                     await _first(self.intake.arrived, self.stopping)
             except aioredis.RedisError as e:
-                await self._ride_out_outage(e)
-
-    async def _ride_out_outage(self, error: aioredis.RedisError) -> None:
-        """End every request held (each gets an error entry, kept until Redis takes it),
-        then retry until the outbox is written."""
-        log.error("lost Redis (%s): ending %d request(s); retrying", error,
-                  self.scheduler.stats().requests)
-        for seq in [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]:
-            self.publisher.stage_error(seq.request.id, LOST_REDIS)
-        for claimed in self.intake.take():
-            self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
-            self.publisher.stage_error(claimed.request.id, LOST_REDIS)
-        backoff = RedisBackoff("Redis still unavailable", start=0.2, cap=5.0, log=log)
-        while not self.stopping.is_set():  # stopping: the shutdown tries one last time
-            await backoff.pause()
-            try:
-                # Requests another worker claimed meanwhile are its own to end, not ours.
-                self.publisher.forget(await self.recovery.taken_by_others())
-                await self.publisher.flush()
-                await self.intake.ensure_group()
-            except aioredis.RedisError as e:
-                backoff.report(e)
-                continue
-            log.info("Redis is back; serving again")
-            return
+                await self.outage.ride_out(e)
 
     async def _step(self) -> None:
         held = {rid: seq.request for rid, seq in self.scheduler.running.items()}
@@ -327,7 +308,7 @@ class WorkerService:
             try:
                 await self._step()
             except aioredis.RedisError as e:
-                await self._ride_out_outage(e)
+                await self.outage.ride_out(e)
         for claimed in self.intake.take():  # claimed from a dead worker as the drain began
             self.publisher.take(claimed.request, claimed.entry_id, claimed.unrecorded)
             self.publisher.stage_hand_back(claimed.request.id)

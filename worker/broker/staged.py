@@ -22,6 +22,7 @@ class Ending:
     live: Finish | Error  # for the feed: a finish carries only its step's token
     expires: float  # unix time past which its keys are gone anyway: stop retrying
     clock: Clock | None = None  # its times, observed once it is written
+    again: bool = False  # written before, and written again after a failover
 
     @cached_property  # read by the stream's XADD, and by the feed on a retry: encoded once
     def fields(self) -> dict[str, str]:
