@@ -120,7 +120,14 @@ def test_langchain_invokes_and_streams(chat: ChatOpenAI) -> None:
 def test_langchain_bound_tool_is_called(chat: ChatOpenAI) -> None:
     # Room for the whole call: one cut short by max_output_tokens is no call.
     roomy = chat.model_copy(update={"max_tokens": 64})
-    message = roomy.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
+    bound = roomy.bind_tools([WEATHER], tool_choice="get_weather")
+    message = bound.invoke("Weather in Paris?")
     assert isinstance(message, AIMessage)
     [call] = message.tool_calls
     assert call["name"] == "get_weather" and call["args"]["city"] in CITIES
+    # Streamed, the call's chunks add up to the same call (greedy).
+    chunks = list(bound.stream("Weather in Paris?"))
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == [(call["name"], call["args"])]
