@@ -67,11 +67,15 @@ def chat_body(body: ResponsesRequest, items: list[Item], stream: bool) -> ChatCo
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
              for t in body.tools or ()]
     choice = body.tool_choice
+    # A forced call (tool_choice required or a named function) leaves no text for `text.format`
+    # to shape, so only the call's grammar applies. OpenAI accepts the two together, and the
+    # Agents SDK sends both on every turn of an agent with tools and an `output_type`.
+    forced = bool(tools) and choice not in ("none", "auto")
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages, "temperature": body.temperature,
         "top_p": body.top_p, "stream": stream, "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens, "user": body.user,
-        "response_format": body.text.format.as_chat(),
+        "response_format": None if forced else body.text.format.as_chat(),
         "tools": tools or None,
         "tool_choice": (None if not tools else choice if isinstance(choice, str)
                         else {"type": "function", "function": {"name": choice.name}}),
