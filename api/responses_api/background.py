@@ -7,8 +7,8 @@ also derivable from the request's result stream (`Keys.out`), which the worker w
 which outlives any replica: a `GET` (or cancel) on any replica that finds the response still
 `queued` and the result stream ended renders the whole record through the same renderer and
 stores that. Both writers render the same entries the same way, so they store the same object.
-Limit: a response whose result stream expired (`request_ttl_s`) before anyone read it, with
-its admitting replica dead, stays `queued` until its own TTL.
+Limit: a response whose result stream expired (`finished_ttl_s` after it ended) before anyone
+read it, with its admitting replica dead, stays `queued` until its own TTL.
 
 The request's `StreamView` (with the body) is stored as for a stream, so a background
 response can also be followed with `GET /v1/responses/{id}?stream=true`.
