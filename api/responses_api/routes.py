@@ -1,7 +1,8 @@
 """OpenAI's Responses API on any replica: `POST /v1/responses` through the same generation
 path as chat (`api.serving.start`: rate limits, tenants' shares, placement, admission), and its
 stored responses, read, listed, chained and deleted from whichever replica a call reaches,
-because they live in Redis (`api.responses_api.store`) and nowhere else.
+because they live in Redis (`api.responses_api.store`) and nowhere else; background responses
+and their cancel (`api.responses_api.background`) likewise.
 """
 
 from __future__ import annotations
