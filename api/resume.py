@@ -103,8 +103,10 @@ class Replay:
     the first stream did: no worker by the queue deadline ends it with `queue_timeout`, or
     `no_worker` when its model has had no live worker that long."""
 
-    def __init__(self, ctx: AppContext, request_id: str, view: StreamView) -> None:
+    def __init__(self, ctx: AppContext, request_id: str, view: StreamView,
+                 cancels: bool = True) -> None:
         self.ctx = ctx
+        self._cancels = cancels  # whether a client leaving cancels the request
         self._id = request_id
         self.view = view
         self._key = ctx.keys.out(request_id)
@@ -195,7 +197,8 @@ class Replay:
         if self._ended:
             return
         self._end()
-        await self._abort(abort_cause(outcome))
+        if self._cancels:
+            await self._abort(abort_cause(outcome))
 
     async def _abort(self, cause: str) -> None:
         self.ctx.metrics.aborts.labels(cause).inc()

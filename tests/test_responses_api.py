@@ -261,7 +261,7 @@ def test_a_cut_stream_resumes_on_the_other_replica(stack: Stack, two: openai.Ope
      "input[0].content[1].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "schema": BOUNDED}}}, "text.format"),

@@ -243,9 +243,9 @@ class ResponsesRequest(StrictModel):
         if self.include:
             raise FieldError("include", f"include {self.include[0][:64]!r} is not supported: "
                              "no extra output data is served")
-        if self.background:
-            raise FieldError("background", "background responses are not supported: leave "
-                             "background false, and stream to follow a long response")
+        if self.background and not self.store:
+            raise FieldError("store", "background responses must be stored: leave store "
+                             "true, or background false")
         return self
 
     @model_validator(mode="after")

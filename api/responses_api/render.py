@@ -38,7 +38,7 @@ class ResponseMeta:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": status, "background": False, "error": error,
+            "status": status, "background": b.background, "error": error,
             "incomplete_details": incomplete, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "model": self.model, "output": output,
             "parallel_tool_calls": b.parallel_tool_calls,

@@ -58,10 +58,12 @@ async def resume(ctx: AppContext, request: Request, response_id: str, after: int
     state = orjson.loads(view.responses)
     body = ResponsesRequest.model_validate(state["body"])
     await mark_resumed(ctx, request_id)
-    choice = spec.choice(Replay(ctx, request_id, view), model.codec)
+    # A client leaving a background response's stream leaves it running.
+    choice = spec.choice(Replay(ctx, request_id, view, cancels=not body.background),
+                         model.codec)
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, spec.model, body)
-    finished = (partial(store.save, ctx, tenant_of(request), state["items"]) if body.store
-                else unstored)
+    finished = (partial(store.save, ctx, tenant_of(request), state["items"])
+                if body.store and not body.background else unstored)  # its task stores it
     reply = Reply(choice, meta, spec.prompt_tokens, finished)
     return event_stream(numbered(closing(reply.events(), [choice]), after),
                         {"X-Request-Id": request_id}, BackgroundTask(close_all, [choice]),

@@ -1,26 +1,27 @@
 """OpenAI's Responses API on any replica: `POST /v1/responses` through the same generation
 path as chat (`api.serving.start`: rate limits, tenants' shares, placement, admission), and its
 stored responses, read, listed, chained and deleted from whichever replica a call reaches,
-because they live in Redis (`api.responses_api.store`) and nowhere else.
+because they live in Redis (`api.responses_api.store`) and nowhere else; background responses
+and their cancel (`api.responses_api.background`) likewise.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from api.context import ServedModel
+from api.context import AppContext, ServedModel
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest
 from api.replies.collected import unless_disconnected
 from api.replies.merge import close_all
 from api.replies.streamed import event_stream
 from api.responses import json_response
-from api.responses_api import store
+from api.responses_api import background, store
 from api.responses_api.body import ResponsesRequest
 from api.responses_api.conversation import chat_body, input_items, renamed
 from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
@@ -41,17 +42,20 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     model = served(ctx, body.model)
     history = [] if body.previous_response_id is None else (await store.load(
         ctx, body.previous_response_id, tenant, "previous_response_id")).conversation()
-    chat = chat_body(body, history + input_items(body, ""), body.stream)
+    streamed = body.stream or body.background  # a background one is followed as a stream
+    chat = chat_body(body, history + input_items(body, ""), streamed)
     prepared = await _prepared(model, chat, body.truncation == "auto")
     request_id = new_request_id(ctx.replica)
     items = history + input_items(body, RESPONSE_PREFIX + request_id)
-    state = view_state(body, items) if body.stream else None
+    state = view_state(body, items) if streamed else None
     started = await start(ctx, request, prepared, "chat", tenant, responses=state,
                           base_id=request_id)
     spec = started.spec
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
     finished = partial(store.save, ctx, tenant, items) if body.store else unstored
     reply = Reply(started.choices[0], meta, spec.prompt_tokens, finished)
+    if body.background:
+        return await _in_background(ctx, request, reply, tenant, items, started.headers)
     if body.stream:
         return event_stream(numbered(closing(reply.events(), started.choices), -1),
                             started.headers, BackgroundTask(close_all, started.choices),
@@ -68,11 +72,18 @@ async def retrieve(response_id: str, request: Request, stream: bool = False,
                    starting_after: Annotated[int, Query(ge=-1)] = -1) -> Response:
     """The stored response; with `stream`, its stream replayed from the request's result
     stream while that lives (events after the sequence number `starting_after`)."""
-    ctx = app_context(request)
+    ctx, tenant = app_context(request), tenant_of(request)
     if stream:
         return await resume(ctx, request, response_id, starting_after)
-    stored = await store.load(ctx, response_id, tenant_of(request), "response_id")
-    return json_response(stored.response)
+    stored = await store.load(ctx, response_id, tenant, "response_id")
+    return json_response(await background.settle(ctx, stored, tenant))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str, request: Request) -> Response:
+    """Cancel a background response (through its request's abort key)."""
+    return json_response(await background.cancel(app_context(request), response_id,
+                                                 tenant_of(request)))
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -105,6 +116,23 @@ async def list_input_items(
                           "first_id": page[0]["id"] if page else None,
                           "last_id": page[-1]["id"] if page else None,
                           "has_more": len(items) > limit})
+
+
+async def _in_background(ctx: AppContext, request: Request, reply: Reply, tenant: str,
+                         items: list[dict[str, Any]], headers: dict[str, str]) -> Response:
+    """Store the response `queued`, then let it run without the client: answered at once,
+    or (with `stream`) followed from its result stream, which a client may leave and resume
+    without cancelling it."""
+    queued = reply.meta.response("queued", [])
+    try:
+        await store.save(ctx, tenant, items, queued)
+    except APIError:
+        await close_all([reply.choice])
+        raise
+    background.spawn(reply)
+    if reply.meta.body.stream:
+        return await resume(ctx, request, queued["id"], -1)
+    return json_response(queued, headers=headers)
 
 
 async def _prepared(model: ServedModel, chat: ChatCompletionRequest,
