@@ -38,7 +38,6 @@ from shared.redis_conn import StreamEntries
 
 log = logging.getLogger("redserve.api")
 
-TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 # How long a cancel waits for the worker to end the request before storing it cancelled.
 CANCEL_WAIT_S = 5.0
 _POLL_S = 0.05
@@ -92,7 +91,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
     """The stored response; one still `queued` whose request has ended is rendered from its
     result stream and stored first; one with tokens so far is shown `in_progress`."""
     response = stored.response
-    if not response.get("background") or response["status"] in TERMINAL:
+    if not response.get("background") or response["status"] in store.TERMINAL:
         return response
     request_id = store.request_id_of(response["id"])
     assert request_id is not None
@@ -116,8 +115,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
     saved: list[dict[str, Any]] = []
 
     async def keep(final: dict[str, Any]) -> None:
-        await store.save(ctx, tenant, stored.input_items, final)
-        saved.append(final)
+        saved.append(await store.save_end(ctx, tenant, stored.input_items, final) or final)
 
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, view.spec.created, view.spec.model, body)
     await _finish(Reply(choice, meta, view.spec.prompt_tokens, keep))
@@ -132,7 +130,7 @@ async def cancel(ctx: AppContext, response_id: str, tenant: str) -> dict[str, An
         raise APIError(400, "Only responses created with background=true can be cancelled.",
                        param="response_id", code="not_background")
     response = await settle(ctx, stored, tenant)
-    if response["status"] in TERMINAL:
+    if response["status"] in store.TERMINAL:
         raise APIError(400, f"Cannot cancel a response with status {response['status']!r}.",
                        param="response_id", code="invalid_state")
     request_id = store.request_id_of(response_id)
@@ -148,9 +146,8 @@ async def cancel(ctx: AppContext, response_id: str, tenant: str) -> dict[str, An
         await asyncio.sleep(_POLL_S)
         stored = await store.load(ctx, response_id, tenant, "response_id")
         response = await settle(ctx, stored, tenant)
-        if response["status"] in TERMINAL:
+        if response["status"] in store.TERMINAL:
             return response
     # No worker ended it in time (none has it yet): it is cancelled all the same.
     cancelled = {**response, "status": "cancelled"}
-    await store.save(ctx, tenant, stored.input_items, cancelled)
-    return cancelled
+    return await store.save_end(ctx, tenant, stored.input_items, cancelled) or cancelled

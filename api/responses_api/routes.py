@@ -52,7 +52,8 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
                           base_id=request_id)
     spec = started.spec
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
-    finished = partial(store.save, ctx, tenant, items) if body.store else unstored
+    save = store.finish_background if body.background else store.save
+    finished = partial(save, ctx, tenant, items) if body.store else unstored
     reply = Reply(started.choices[0], meta, spec.prompt_tokens, finished)
     if body.background:
         return await _in_background(ctx, request, reply, tenant, items, started.headers)

@@ -18,9 +18,11 @@ from api.context import AppContext
 from api.errors import APIError
 from api.responses_api.render import RESPONSE_PREFIX
 from shared.keys import is_request_id
-from shared.messages import StoredResponse
+from shared.messages import StoredResponse, StoredResponseField
 
 log = logging.getLogger("redserve.api")
+
+TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,41 @@ async def save(ctx: AppContext, tenant: str, input_items: list[dict[str, Any]],
         await pipe.execute()
     except aioredis.RedisError as e:
         raise unavailable(e) from e
+
+
+async def save_end(ctx: AppContext, tenant: str, input_items: list[dict[str, Any]],
+                   response: dict[str, Any]) -> dict[str, Any] | None:
+    """Store a background response's end unless it already has one or was deleted, in one
+    optimistic transaction: the first end stored is the one every reader sees (a cancel's
+    `cancelled` is not overwritten by the request's own end arriving later, a response deleted
+    while it ran does not come back). Returns what is stored now (None: deleted)."""
+    request_id = request_id_of(response["id"])
+    assert request_id is not None
+    key = ctx.keys.response(request_id)
+    record = StoredResponse(tenant, orjson.dumps(response).decode(),
+                            orjson.dumps(input_items).decode())
+
+    async def write(pipe: Any) -> dict[str, Any] | None:
+        raw = await pipe.hget(key, StoredResponseField.RESPONSE)
+        stored = None if raw is None else orjson.loads(raw)
+        if stored is None or stored["status"] in TERMINAL:
+            return cast(dict[str, Any] | None, stored)
+        pipe.multi()
+        pipe.hset(key, mapping=record.to_fields())
+        pipe.expire(key, ctx.settings.response_ttl_s)
+        return response
+
+    try:
+        return cast(dict[str, Any] | None, await ctx.clients.commands.transaction(
+            write, key, value_from_callable=True))
+    except aioredis.RedisError as e:
+        raise unavailable(e) from e
+
+
+async def finish_background(ctx: AppContext, tenant: str, input_items: list[dict[str, Any]],
+                            response: dict[str, Any]) -> None:
+    """`save_end` as a reply's `finished` callback."""
+    await save_end(ctx, tenant, input_items, response)
 
 
 async def load(ctx: AppContext, response_id: str, tenant: str, param: str) -> Stored:
