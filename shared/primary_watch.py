@@ -66,9 +66,12 @@ class PrimaryWatch:
 
     async def _run(self) -> None:
         while True:
-            found = await self._ask()
-            if found is not None:
-                await self.seen(*found)
+            try:
+                found = await self._ask()
+                if found is not None:
+                    await self.seen(*found)
+            except Exception:  # a reply not as expected: the watch goes on, and says so
+                log.exception("asking the Sentinels for the primary failed")
             await asyncio.sleep(EVERY_S)
 
     async def _ask(self) -> tuple[Address, int] | None:
@@ -105,5 +108,7 @@ class PrimaryWatch:
         self.primary, self._epoch = address, epoch
         self.failovers += 1
         for drop in self.drops:
-            with contextlib.suppress(Exception):  # a close that fails leaves nothing to do
+            try:
                 await drop(address)
+            except Exception as e:  # a close that fails leaves nothing to do
+                log.debug("dropping connections to the old primary: %s", e)
