@@ -189,6 +189,12 @@ def test_another_tenant_cannot_see_a_stored_response(stack: Stack, one: openai.O
     with pytest.raises(openai.NotFoundError) as chained:
         stranger.responses.create(model=MODEL, input="x", previous_response_id=r.id)
     assert chained.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    streamed = stranger.responses.create(model=MODEL, input="x", max_output_tokens=2,
+                                         stream=True)
+    streamed_id = next(e.response.id for e in streamed if e.type == "response.created")
+    with pytest.raises(openai.NotFoundError) as resumed:  # another's stream, asked to resume
+        one.responses.retrieve(streamed_id, stream=True, starting_after=0)
+    assert resumed.value.body["param"] == "response_id"  # type: ignore[index]
     assert one.responses.retrieve(r.id).id == r.id  # still there for its owner
     unstored = one.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):

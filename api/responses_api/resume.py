@@ -41,10 +41,16 @@ def view_state(body: ResponsesRequest, items: list[dict[str, Any]]) -> str:
 
 async def resume(ctx: AppContext, request: Request, response_id: str, after: int) -> Response:
     request_id = store.request_id_of(response_id)
-    if request_id is None:
-        raise APIError(404, f"Response with id {response_id[:140]!r} not found.",
+    missing = APIError(404, f"Response with id {response_id[:140]!r} not found.",
                        param="response_id", code="not_found")
-    raw_view = (await owned_state(ctx, request_id, request)).stream
+    if request_id is None:
+        raise missing
+    try:
+        raw_view = (await owned_state(ctx, request_id, request)).stream
+    except APIError as e:  # another tenant's, or gone: named as the response it was asked as
+        if e.status == 404:
+            raise missing from None
+        raise
     view = StreamView.from_json(raw_view) if raw_view is not None else None
     if view is None or view.responses is None:
         raise APIError(400, f"response {response_id!r} was not streamed, so it cannot be "
