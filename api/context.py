@@ -45,6 +45,8 @@ class Live:
     resumes: set[LiveRequest] = field(default_factory=set)
     # Cancellations of disconnected streams, waiting out the resume grace.
     deferred: set[asyncio.Task[None]] = field(default_factory=set)
+    # Background responses read to their end here (api/responses_api/background.py).
+    background: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 

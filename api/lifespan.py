@@ -35,6 +35,8 @@ from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies
 
 SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
+# How long a shutdown waits for background responses to store their ends (one write each).
+BACKGROUND_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -147,5 +149,9 @@ async def shut_down(ctx: AppContext) -> None:
         request.fail(SHUTDOWN_ERROR)
     for deferred in list(ctx.live.deferred):
         deferred.cancel()
+    if ctx.live.background:  # their requests just failed: each stores its end, then stops
+        _, late = await asyncio.wait(ctx.live.background, timeout=BACKGROUND_WAIT_S)
+        for task in late:
+            task.cancel()
     await ctx.reader.stop()
     await ctx.clients.close()

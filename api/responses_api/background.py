@@ -24,7 +24,7 @@ from typing import Any, cast
 import orjson
 import redis.asyncio as aioredis
 
-from api.context import AppContext
+from api.context import AppContext, Live
 from api.errors import APIError
 from api.replies.merge import close_all
 from api.responses_api import store
@@ -42,14 +42,12 @@ log = logging.getLogger("redserve.api")
 CANCEL_WAIT_S = 5.0
 _POLL_S = 0.05
 
-_running: set[asyncio.Task[None]] = set()  # held so that the loop does not drop them
-
-
-def spawn(reply: Reply) -> None:
-    """Read the reply to its end in the background (see the module's docstring)."""
+def spawn(live: Live, reply: Reply) -> None:
+    """Read the reply to its end in the background (see the module's docstring); `live`
+    holds the task (the loop keeps only a weak reference) and the shutdown waits for it."""
     task = asyncio.create_task(_finish(reply))
-    _running.add(task)
-    task.add_done_callback(_running.discard)
+    live.background.add(task)
+    task.add_done_callback(live.background.discard)
 
 
 async def _finish(reply: Reply) -> None:

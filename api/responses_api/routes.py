@@ -130,7 +130,7 @@ async def _in_background(ctx: AppContext, request: Request, reply: Reply, tenant
     except APIError:
         await close_all([reply.choice])
         raise
-    background.spawn(reply)
+    background.spawn(ctx.live, reply)
     if reply.meta.body.stream:
         return await resume(ctx, request, queued["id"], -1)
     return json_response(queued, headers=headers)
