@@ -21,7 +21,6 @@ import contextlib
 import logging
 from typing import Any, cast
 
-import orjson
 import redis.asyncio as aioredis
 
 from api.context import AppContext, Live
@@ -33,7 +32,14 @@ from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
 from api.responses_api.reply import Reply
 from api.resume import StreamView
 from shared.aborts import stage_aborts
-from shared.messages import RequestField, ResultEntry, decode_result, expand, is_terminal
+from shared.messages import (
+    RequestField,
+    ResponsesStream,
+    ResultEntry,
+    decode_result,
+    expand,
+    is_terminal,
+)
 from shared.redis_conn import StreamEntries
 
 log = logging.getLogger("redserve.api")
@@ -107,7 +113,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
         return response
     view = StreamView.from_json(cast(bytes, raw_view))
     assert view.responses is not None
-    body = ResponsesRequest.model_validate(orjson.loads(view.responses)["body"])
+    body = ResponsesRequest.model_validate(ResponsesStream.from_json(view.responses).body)
     entries = [e for _, fields in records for e in expand(decode_result(fields))]
     choice = view.spec.choice(_Recorded(request_id, entries), model.codec)
     saved: list[dict[str, Any]] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
@@ -29,14 +28,14 @@ from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
 from api.responses_api.reply import Reply, closing, numbered, unstored
 from api.resume import Replay, StreamView
 from api.routes import mark_resumed, owned_state, tenant_of
+from shared.messages import ResponsesStream
 
 
 def view_state(body: ResponsesRequest, items: list[dict[str, Any]]) -> str:
     """What a replay of this stream needs, as stored in its `StreamView`."""
     echoed = body.model_copy(update={"input": ""})
-    return orjson.dumps({"body": echoed.model_dump(mode="json", by_alias=True,
-                                                   exclude_none=True),
-                         "items": items}).decode()
+    return ResponsesStream(echoed.model_dump(mode="json", by_alias=True, exclude_none=True),
+                           items).to_json()
 
 
 async def resume(ctx: AppContext, request: Request, response_id: str, after: int) -> Response:
@@ -61,14 +60,14 @@ async def resume(ctx: AppContext, request: Request, response_id: str, after: int
         raise APIError(404, f"response {response_id!r} is for model {spec.model!r}, which "
                        "this replica does not serve; resume it on one that does",
                        param="response_id", code="model_not_found")
-    state = orjson.loads(view.responses)
-    body = ResponsesRequest.model_validate(state["body"])
+    state = ResponsesStream.from_json(view.responses)
+    body = ResponsesRequest.model_validate(state.body)
     await mark_resumed(ctx, request_id)
     # A client leaving a background response's stream leaves it running.
     choice = spec.choice(Replay(ctx, request_id, view, cancels=not body.background),
                          model.codec)
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, spec.model, body)
-    finished = (partial(store.save, ctx, tenant_of(request), state["items"])
+    finished = (partial(store.save, ctx, tenant_of(request), state.items)
                 if body.store and not body.background else unstored)  # its task stores it
     reply = Reply(choice, meta, spec.prompt_tokens, finished)
     return event_stream(numbered(closing(reply.events(), [choice]), after),

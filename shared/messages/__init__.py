@@ -41,7 +41,7 @@ from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
 from shared.messages.placement import PrefixSummary
 from shared.messages.queue import QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
-from shared.messages.responses import StoredResponse, StoredResponseField
+from shared.messages.responses import ResponsesStream, StoredResponse, StoredResponseField
 from shared.messages.results import (
     FEED_RETENTION_S,
     Error,
@@ -63,12 +63,38 @@ from shared.messages.results import (
 from shared.messages.state import RequestField, RequestHash, RequestState
 
 __all__ = [
-    "BUCKET_TTL_MS", "FEED_RETENTION_S", "WINDOW_MS", "Bucket", "BucketField",
-    "Error", "Finish", "FinishReason", "GenerateRequest", "Heartbeat", "KernelSet",
+    "BUCKET_TTL_MS",
+    "FEED_RETENTION_S",
+    "WINDOW_MS",
+    "Bucket",
+    "BucketField",
+    "Error",
+    "Finish",
+    "FinishReason",
+    "GenerateRequest",
+    "Heartbeat",
+    "KernelSet",
     "PrefixSummary",
-    "QueueMember", "RequestField", "RequestHash", "RequestState", "ResultEntry",
-    "SamplingParams", "ServiceCounters", "StoredResponse", "StoredResponseField",
-    "TokenLogprob", "Tokens", "decode_feed",
-    "decode_result", "expand", "feed_fields", "feed_marker", "feed_min_id", "feed_payload",
-    "is_terminal", "no_worker", "queue_timeout",
+    "QueueMember",
+    "RequestField",
+    "RequestHash",
+    "RequestState",
+    "ResponsesStream",
+    "ResultEntry",
+    "SamplingParams",
+    "ServiceCounters",
+    "StoredResponse",
+    "StoredResponseField",
+    "TokenLogprob",
+    "Tokens",
+    "decode_feed",
+    "decode_result",
+    "expand",
+    "feed_fields",
+    "feed_marker",
+    "feed_min_id",
+    "feed_payload",
+    "is_terminal",
+    "no_worker",
+    "queue_timeout",
 ]

@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+import orjson
 
 from shared.messages.state import as_text
 
@@ -48,3 +51,21 @@ class StoredResponse:
                        f[StoredResponseField.INPUT])
         except KeyError as e:
             raise ValueError(f"no {e.args[0]!s} field") from None
+
+
+@dataclass(frozen=True)
+class ResponsesStream:
+    """What a replay of a `/v1/responses` stream needs beside chat's, kept in its request's
+    `StreamView` (`responses`): the request body (its `input` left empty) to render the
+    events again, and the conversation's input items to store the response under."""
+
+    body: dict[str, Any]
+    items: list[dict[str, Any]]
+
+    def to_json(self) -> str:
+        return orjson.dumps({"body": self.body, "items": self.items}).decode()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ResponsesStream:
+        fields = orjson.loads(raw)
+        return cls(fields["body"], fields["items"])
