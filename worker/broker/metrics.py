@@ -256,6 +256,12 @@ class WorkerMetrics:
         if self.spans is not None:
             self.spans.left(request_id, "handed_back")
 
+    def gave_up(self, request_id: str) -> None:
+        """Its ending outlived its keys in the outbox (a long outage): it is forgotten."""
+        self._clocks.pop(request_id, None)
+        if self.spans is not None:
+            self.spans.left(request_id, "expired")
+
     def taken_by_others(self, request_ids: Iterable[str]) -> None:
         """After an outage: these requests are another worker's now, not ours to end."""
         for request_id in request_ids:

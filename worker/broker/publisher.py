@@ -292,6 +292,8 @@ class Publisher:
         expired = [e for e in outbox.endings if e.expires < now]
         for ending in expired:  # its keys are gone by now: nothing left to end
             self.entry_ids.pop(ending.request_id, None)
+            if self.metrics is not None:
+                self.metrics.gave_up(ending.request_id)
         outbox.endings = [e for e in outbox.endings if e.expires >= now]
         # A request's chunks go with its terminal entry, if it has one, so that a retry never
         # adds one after it; the others first.

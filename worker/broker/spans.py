@@ -109,7 +109,8 @@ class RequestSpans:
                                        start_time=tracing.ns(start)).end(tracing.ns(end))
 
     def left(self, request_id: str, why: str) -> None:
-        """It leaves this worker unfinished (handed back, or claimed by another)."""
+        """It leaves this worker unfinished (handed back, claimed by another, or its ending
+        given up after its keys expired)."""
         span = self._open.pop(request_id, None)
         if span is not None:
             span.set_attribute("redserve.outcome", why)
