@@ -34,7 +34,10 @@ from shared.keys import QUEUED_CONSUMER, Keys, replica_of
 from tests.stack import Stack, eventually, inspect, inspect_json
 from tests.test_cluster import CLI as CLUSTER_CLI
 from tests.test_cluster import SERVER as CLUSTER_SERVER
-from tests.test_cluster import cluster_url  # noqa: F401 (the three-node cluster fixture)
+from tests.test_cluster import (
+    Cluster,
+    cluster,  # noqa: F401 (the cluster fixture: 3 shards, a replica each)
+)
 
 MODEL = "tiny-llama"
 TTL_S = 3  # the worker's heartbeat TTL
@@ -333,7 +336,7 @@ def test_doc_recipes_return_what_the_doc_says(busy: Busy) -> None:
 
 # --- Redis Cluster ----------------------------------------------------------------------------
 
-def _replicas_on_every_node(stack: Stack, cluster: RedisCluster, keys: Keys) -> list[int]:
+def _replicas_on_every_node(stack: Stack, client: RedisCluster, keys: Keys) -> list[int]:
     """Ports of API replicas whose tags (so whose requests' keys) sit on each cluster node.
     A tag is random: replicas start in rounds, two for each node still without one but three
     at least, and one is kept per node (a node is left without one about once in a million)."""
@@ -351,7 +354,7 @@ def _replicas_on_every_node(stack: Stack, cluster: RedisCluster, keys: Keys) -> 
             reply = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 1},
                                timeout=60)
             tag = replica_of(reply.headers["x-request-id"])
-            node = cluster.get_node_from_key(keys.feed(tag)).name
+            node = client.get_node_from_key(keys.feed(tag)).name
             if node in on_node:  # that node has one already
                 stack.procs.remove(proc)
                 proc.terminate()
@@ -365,28 +368,29 @@ def _replicas_on_every_node(stack: Stack, cluster: RedisCluster, keys: Keys) -> 
 @pytest.mark.skipif(CLUSTER_SERVER is None or CLUSTER_CLI is None,
                     reason="needs redis-server and redis-cli to form a cluster")
 def test_inspect_sees_the_requests_of_every_cluster_node(
-        cluster_url: str, tiny_model: Path) -> None:  # noqa: F811 (the fixture)
+        cluster: Cluster, tiny_model: Path) -> None:  # noqa: F811 (the fixture)
+    cluster_url = cluster.url
     stack = Stack(cluster_url, tiny_model, served_name=MODEL, api=False, env={
         "REDSERVE_REDIS_CLUSTER": "true", "REDSERVE_MAX_RUNNING": "1",
         "REDSERVE_SYNTHETIC_STEP_MS": "100"}).start()
-    cluster = RedisCluster.from_url(cluster_url)
+    client = RedisCluster.from_url(cluster_url)
     keys = Keys(stack.prefix)
     try:
-        ports = _replicas_on_every_node(stack, cluster, keys)
+        ports = _replicas_on_every_node(stack, client, keys)
         # The probes' entries are gone once acknowledged: from here on each entry is ours.
-        assert eventually(lambda: cluster.xlen(keys.requests(MODEL)) == 0, 30)
+        assert eventually(lambda: client.xlen(keys.requests(MODEL)) == 0, 30)
         for n, port in enumerate(ports, 1):  # one request each, in turn
             _background(lambda p=port: _read_all(f"http://127.0.0.1:{p}/v1/completions"))
-            assert eventually(lambda n=n: len(cluster.xrange(keys.requests(MODEL))) == n, 30)
-        known = {f[b"id"].decode() for _, f in cluster.xrange(keys.requests(MODEL))}
-        nodes = {n.name for n in cluster.get_primaries()}
+            assert eventually(lambda n=n: len(client.xrange(keys.requests(MODEL))) == n, 30)
+        known = {f[b"id"].decode() for _, f in client.xrange(keys.requests(MODEL))}
+        nodes = {n.name for n in client.get_primaries()}
         # A worker frees a request's queue place as it takes it.
         snaps: list[dict[str, Any]] = []
         assert eventually(lambda: snaps.append(inspect_json(stack, REDSERVE_REDIS_CLUSTER="true"))
                           or snaps[-1]["models"][0]["queued"] == 2, 30), snaps[-1:]
         snap = snaps[-1]
         assert {row["id"] for row in snap["requests"]} == known
-        assert {cluster.get_node_from_key(keys.state(i)).name for i in known} == nodes
+        assert {client.get_node_from_key(keys.state(i)).name for i in known} == nodes
         assert sorted(row["state"] for row in snap["requests"]) == ["queued", "queued",
                                                                    "streaming"]
         [model] = snap["models"]
@@ -395,5 +399,5 @@ def test_inspect_sees_the_requests_of_every_cluster_node(
         [worker] = snap["workers"]
         assert model["live_workers"] == [worker["name"]] and worker["model"] == MODEL
     finally:
-        cluster.close()
+        client.close()
         stack.stop()
