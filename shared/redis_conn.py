@@ -161,9 +161,6 @@ class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPo
     async def get_master_address(self) -> Any:
         if self.watch is not None:
             self.watch.ensure_running()
-            if self.watch.primary is not None:  # the newest epoch's (see PrimaryWatch._ask):
-                self.master_address = self.watch.primary  # not the first Sentinel to answer
-                return self.watch.primary
         return await super().get_master_address()
 
     async def drop_others(self, primary: Address) -> None:
