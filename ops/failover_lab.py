@@ -46,8 +46,11 @@ class FailoverLab:
 
     def __init__(self, config: LabConfig = LabConfig()) -> None:
         self.config = config
-        self.data_ports = [free_port(), free_port()]
-        self.sentinel_ports = [free_port() for _ in range(3)]
+        ports: list[int] = []
+        while len(ports) < 5:  # a port freed again may be handed out twice: five distinct ones
+            if (port := free_port()) not in ports:
+                ports.append(port)
+        self.data_ports, self.sentinel_ports = ports[:2], ports[2:]
         self._dir = Path(tempfile.mkdtemp(prefix="redserve-failover-"))
         self._data: dict[int, subprocess.Popen[bytes]] = {}
         self._sentinels: list[subprocess.Popen[bytes]] = []
