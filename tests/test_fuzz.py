@@ -26,7 +26,7 @@ from tests.stack import Stack
 MODEL = "fuzz-llama"
 KEY = "sk-fuzz-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = 300  # per generation mode, spread over every operation
+EXAMPLES = 400  # per generation mode, spread over every operation (the Responses routes too)
 # Greedy with one token far ahead of the rest: its text does not hang on float near-ties of
 # the random model, which another batch composition can flip; so any difference is damage.
 ORDINARY = {"model": MODEL, "prompt": [11, 22, 33], "max_tokens": 40, "ignore_eos": True,
