@@ -34,10 +34,7 @@ from shared.keys import QUEUED_CONSUMER, Keys, replica_of
 from tests.stack import Stack, eventually, inspect, inspect_json
 from tests.test_cluster import CLI as CLUSTER_CLI
 from tests.test_cluster import SERVER as CLUSTER_SERVER
-from tests.test_cluster import (
-    Cluster,
-    cluster,  # noqa: F401 (the cluster fixture: 3 shards, a replica each)
-)
+from tests.test_cluster import Cluster, cluster  # noqa: F401 (`cluster`: the fixture)
 
 MODEL = "tiny-llama"
 TTL_S = 3  # the worker's heartbeat TTL
@@ -369,11 +366,10 @@ def _replicas_on_every_node(stack: Stack, client: RedisCluster, keys: Keys) -> l
                     reason="needs redis-server and redis-cli to form a cluster")
 def test_inspect_sees_the_requests_of_every_cluster_node(
         cluster: Cluster, tiny_model: Path) -> None:  # noqa: F811 (the fixture)
-    cluster_url = cluster.url
-    stack = Stack(cluster_url, tiny_model, served_name=MODEL, api=False, env={
+    stack = Stack(cluster.url, tiny_model, served_name=MODEL, api=False, env={
         "REDSERVE_REDIS_CLUSTER": "true", "REDSERVE_MAX_RUNNING": "1",
         "REDSERVE_SYNTHETIC_STEP_MS": "100"}).start()
-    client = RedisCluster.from_url(cluster_url)
+    client = RedisCluster.from_url(cluster.url)
     keys = Keys(stack.prefix)
     try:
         ports = _replicas_on_every_node(stack, client, keys)
