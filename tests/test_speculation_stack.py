@@ -27,6 +27,7 @@ FP32 = {"REDSERVE_DTYPE": "float32", "REDSERVE_KERNELS": "torch"}
 # Text that repeats: a random model's greedy continuation of it soon loops too, so drafts are
 # proposed and accepted.
 PROMPT = "one two three four five six seven eight nine ten " * 6
+MID_STREAM = 8  # events every stream has had when its worker is killed
 
 
 def _stream(client: openai.OpenAI, speculation: bool, chat: bool) -> str:
@@ -74,7 +75,10 @@ def test_openai_streams_are_the_same_with_speculation_and_metrics_count_it(
         stack.stop()
 
 
-async def _text(client: httpx.AsyncClient, i: int, speculation: bool) -> tuple[str, str]:
+async def _text(client: httpx.AsyncClient, i: int, speculation: bool, progress: list[int],
+                mid_stream: asyncio.Event) -> tuple[str, str]:
+    """Stream `i`'s text and finish reason. `progress[i]` counts the events it has had;
+    `mid_stream` is set once every stream has had `MID_STREAM`."""
     body = {"model": MODEL, "prompt": f"{i} {PROMPT}", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True, "speculation": speculation}
     parts, finish = [], ""
@@ -87,6 +91,9 @@ async def _text(client: httpx.AsyncClient, i: int, speculation: bool) -> tuple[s
                     return "".join(parts), event["error"]["code"]
                 parts.append(event["choices"][0]["text"])
                 finish = event["choices"][0]["finish_reason"] or finish
+                progress[i] += 1
+                if min(progress) >= MID_STREAM:
+                    mid_stream.set()
     return "".join(parts), finish
 
 
@@ -98,8 +105,10 @@ def test_a_speculating_worker_killed_mid_stream_is_continued_exactly(
     keys = Keys(stack.prefix)
     try:
         async def run(speculation: bool, kill: bool) -> list[tuple[str, str]]:
+            progress, mid_stream = [0] * streams, asyncio.Event()
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
-                texts = asyncio.gather(*(_text(client, i, speculation) for i in range(streams)))
+                texts = asyncio.gather(*(_text(client, i, speculation, progress, mid_stream)
+                                         for i in range(streams)))
                 if kill:  # whichever worker holds a request (either may hold all three)
                     names = [f"{socket.gethostname()}-{stack.worker_proc(i).pid}"
                              for i in range(2)]
@@ -108,10 +117,13 @@ def test_a_speculating_worker_killed_mid_stream_is_continued_exactly(
                         return sync_redis.xpending_range(keys.requests(MODEL), WORKER_GROUP,
                                                          "-", "+", 100, consumername=name)
 
-                    assert await asyncio.to_thread(
-                        eventually, lambda: any(held(n) for n in names), 30)
-                    await asyncio.sleep(0.2)
+                    # Mid-stream: every stream speculating, most of its 400 tokens to go. A
+                    # fixed sleep let a fast machine finish them all first (the terminal
+                    # entries written, only the batched XACK left), so nothing was continued.
+                    await asyncio.wait_for(mid_stream.wait(), 60)
                     victim = next(i for i, n in enumerate(names) if held(n))
+                    stack.worker_proc(victim).send_signal(signal.SIGSTOP)  # it ends nothing now
+                    assert min(progress) < 100, progress
                     orphans.extend(held(names[victim]))
                     stack.worker_proc(victim).send_signal(signal.SIGKILL)
                     stack.worker_proc(victim).wait()
@@ -125,8 +137,9 @@ def test_a_speculating_worker_killed_mid_stream_is_continued_exactly(
         disturbed = asyncio.run(run(True, True))
         assert orphans, "the killed worker held no request: nothing was taken over"
         assert disturbed == plain, stack.output()
-        survivor = scrape_worker_drafts(sync_redis, keys, stack.worker_proc(survivors[0]).pid)
-        assert survivor > 0  # the survivor speculated on what it took over
+        # The survivor speculated on what it took over (its next heartbeat says so).
+        pid = stack.worker_proc(survivors[0]).pid
+        assert eventually(lambda: scrape_worker_drafts(sync_redis, keys, pid) > 0, 10)
     finally:
         stack.stop()
 
