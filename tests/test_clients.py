@@ -289,10 +289,15 @@ def test_guidellm_benchmark_reads_redserves_usage(
              "TRANSFORMERS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (bench,) = json.loads(report.read_text())["benchmarks"]
-    assert bench["metrics"]["request_totals"] == {
+    # Every request guidellm made succeeded (its scheduler's count of them all) ...
+    assert bench["scheduler_metrics"]["requests_made"] == {
         "successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}
-    done = bench["requests"]["successful"]
-    assert len(done) == REQUESTS
+    # ... and those it measured read redserve's usage right. Its measured totals are windowed
+    # (from the first request's start to the completion that met the constraint): in one CI
+    # run with two streams they held 3 of 4, none errored or incomplete (not seen here since).
+    totals, done = bench["metrics"]["request_totals"], bench["requests"]["successful"]
+    assert totals["errored"] == totals["incomplete"] == 0, totals
+    assert totals["successful"] == totals["total"] == len(done) >= REQUESTS - 1, totals
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2.path))
     for r in done:
