@@ -131,7 +131,7 @@ class Snapshot:
     models: tuple[ModelView, ...]
     workers: tuple[WorkerView, ...]
     limits: tuple[LimitView, ...]  # by model, then tenant
-    stored_responses: stored.StoredResponses  # of every model (a `--model` filter aside)
+    stored_responses: stored.StoredResponses  # of every model, whatever `--model` says
     unreadable: tuple[Unreadable, ...]  # keys that do not hold what redserve writes there
 
 
