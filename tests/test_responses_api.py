@@ -17,6 +17,7 @@ import openai
 import orjson
 import pytest
 
+from api.tools.syntax import START
 from tests.responses_stack import MODEL, client, two_replicas
 from tests.stack import Stack
 
@@ -171,9 +172,11 @@ def test_a_forced_call_cut_inside_its_name_shows_no_call_syntax(one: openai.Open
     quote = "".join(tokens).index('"get_weather"')
     cut = next(n for n in range(len(tokens)) if len("".join(tokens[:n])) > quote + 1)
     assert '"get_weather"' not in "".join(tokens[:cut])  # inside the name
-    chat = one.chat.completions.create(**body, max_tokens=cut).choices[0]
-    assert chat.finish_reason == "length" and not chat.message.tool_calls
-    assert not chat.message.content, chat.message.content
+    assert START.startswith("".join(tokens[:2])) and "".join(tokens[:2]) != START
+    for most in (2, cut):  # inside the opening tag `<tool_call>`, inside the name
+        chat = one.chat.completions.create(**body, max_tokens=most).choices[0]
+        assert chat.finish_reason == "length" and not chat.message.tool_calls
+        assert not chat.message.content, chat.message.content
     for stream in (False, True):
         kwargs: Any = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
                            tool_choice=named, temperature=0, max_output_tokens=cut)

@@ -221,20 +221,21 @@ def test_what_a_call_left_open_becomes(text: str, calls: list[tuple[str, str]],
 
 
 @pytest.mark.parametrize("text", [
-    "<tool_call>", "<tool_call>\n", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_we',
+    "<", "<tool_", "Sure. <tool_call", "<tool_call>", "<tool_call>\n", '<tool_call>\n{"na',
+    '<tool_call>\n{"name": "get_we',
     '<tool_call>\n{"name": "a\\', '<tool_call>\n[{"name": "get_', "<tool_call>" + " " * 100_000,
 ])
 @pytest.mark.parametrize("cut_short", [True, False])
 def test_a_call_cut_before_its_name_is_whole_is_neither_call_nor_content(
         text: str, cut_short: bool) -> None:
-    """max_tokens cut a call before its name was whole: there is no call to name, and its
-    syntax is not words for the user (as a forced call cut after a few tokens writes it). Ended
-    any other way, the text stays content."""
+    """max_tokens cut a call before its name was whole, or inside its opening tag: there is
+    no call to name, and its syntax is not words for the user (what a forced call cut after a
+    few tokens wrote); words before it stay. Ended any other way, the text stays content."""
     parser = ToolCallParser("req")
     content, made = parser.feed(text)
     rest, more = parser.flush(cut_short)
     assert made == more == []
-    assert content + rest == ("" if cut_short else text)
+    assert content + rest == (text.partition("<")[0] if cut_short else text)
 
 
 def test_history_with_arguments_nested_too_deep_is_served(client: openai.OpenAI) -> None:
