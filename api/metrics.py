@@ -15,10 +15,11 @@ the wait. A request resumed from another worker's tokens has none to report. TTF
 taken as the result entries are handed to the response, once per entry, never per Redis
 command. One `request.finished` log event per reply carries the same figures; never text.
 
-Labels stay bounded: model, stream, and outcome (finish reasons and error codes are fixed sets
-in the code); never a request id. A tenant is a label only on the rate-limit refusals: tenants
-are configured (API keys), so there are as many as the keys file has owners, and an operator
-needs to know whose requests the limits refuse.
+Labels stay bounded: model, stream, endpoint (the route: chat, completions or responses, which
+share one generation path and so one set of timings), and outcome (finish reasons and error
+codes are fixed sets in the code); never a request id. A tenant is a label only on the
+rate-limit refusals: tenants are configured (API keys), so there are as many as the keys file
+has owners, and an operator needs to know whose requests the limits refuse.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from api.trace import ReplyTrace
 
 log = logging.getLogger("redserve.api.requests")
+
+# The route a reply was asked for on: the `endpoint` label of the requests accepted.
+Endpoint = Literal["chat", "completions", "responses"]
 
 # Queue depth is read from Redis at most this often, however often /metrics is scraped.
 QUEUE_DEPTH_CACHE_S = 1.0
@@ -83,6 +87,10 @@ class APIMetrics:
         self.queue_depth = Gauge("redserve_api_queue_depth",
                                  "Requests of the model no worker has taken yet (all replicas)",
                                  ["model"], registry=r)
+        self.accepted = Counter("redserve_api_requests_total",
+                                "Requests (replies) accepted and queued, by model and endpoint "
+                                "(chat|completions|responses)", ["model", "endpoint"],
+                                registry=r)
         self.finished = Counter("redserve_api_requests_finished_total",
                                 "Requests (choices) ended, by how: finish reason, error code "
                                 "or disconnect", ["model", "outcome"], registry=r)

@@ -18,7 +18,7 @@ from api.choices import Choice
 from api.context import AppContext, ServedModel
 from api.generation import Generation
 from api.limits.reservation import Reservation
-from api.metrics import ReplyTimer
+from api.metrics import Endpoint, ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.replies.collected import collect, unless_disconnected
 from api.replies.merge import close_all
@@ -71,12 +71,13 @@ class Started:
 
 
 async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kind,
-                tenant: str, echoes: list[str] | None = None,
+                tenant: str, endpoint: Endpoint, echoes: list[str] | None = None,
                 responses: str | None = None, base_id: str | None = None) -> Started:
-    """Queue one request per choice (rate limits, placement, admission as for any reply);
-    `echoes`: each prompt's text, when the body asks for it back; `responses`: a Responses
-    API stream's rendering state, stored for its resumption (`api.resume.StreamView`);
-    `base_id`: the request id, when the caller needed it first (`new_request_id`)."""
+    """Queue one request per choice (rate limits, placement, admission as for any reply),
+    counted by `endpoint` once all are queued; `echoes`: each prompt's text, when the body
+    asks for it back; `responses`: a Responses API stream's rendering state, stored for its
+    resumption (`api.resume.StreamView`); `base_id`: the request id, when the caller needed
+    it first (`new_request_id`)."""
     body, model, now = prepared.body, prepared.model, time.time()
     base_id = base_id or new_request_id(ctx.replica)
     spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
@@ -90,6 +91,7 @@ async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kin
                                trace)
     choices = [spec.choice(g, model.codec, i, i // body.n) for i, g in enumerate(generations)]
     await _start_all(generations, choices, one_first=reservation is not None)
+    ctx.metrics.accepted.labels(model.name, endpoint).inc()
     _time_reply(ctx, generations, spec, tenant, now, body.stream, trace)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
@@ -100,7 +102,8 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
                    tenant: str, echoes: list[str] | None = None) -> Response:
     """Queue one request per choice and answer with their merged chat or completions reply
     (SSE or JSON)."""
-    started = await start(ctx, request, prepared, kind, tenant, echoes)
+    endpoint: Endpoint = "chat" if kind == "chat" else "completions"
+    started = await start(ctx, request, prepared, kind, tenant, endpoint, echoes)
     return await _reply(request, started.choices, started.spec, started.headers,
                         prepared.body.stream, ctx.settings.sse_ping_s)
 

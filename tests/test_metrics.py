@@ -126,6 +126,9 @@ def test_api_histograms_and_counters_count_the_requests(served: Served) -> None:
     assert api.value(duration, model=MODEL, stream="true", outcome="disconnect") == 1
     assert api.value("redserve_api_request_duration_seconds_bucket", le="+Inf") == 3
 
+    accepted = "redserve_api_requests_total"  # the 404 and the 413 were never accepted
+    assert api.value(accepted, model=MODEL, endpoint="completions") == 3
+    assert api.value(accepted) == 3
     finished = "redserve_api_requests_finished_total"
     assert api.value(finished, model=MODEL, outcome="length") == 2
     assert api.value(finished, model=MODEL, outcome="disconnect") == 1

@@ -17,9 +17,10 @@ import openai
 import orjson
 import pytest
 
+from api.tools.syntax import START
+from tests.responses_stack import MODEL, client, two_replicas
 from tests.stack import Stack
 
-MODEL = "tiny-llama"
 KEYS = {"REDSERVE_API_KEYS": "owner:sk-responses-owner,stranger:sk-responses-stranger",
         # A stream whose client left runs on this long, for a resume on any replica.
         "REDSERVE_RESUME_GRACE_S": "20",
@@ -41,24 +42,18 @@ WEATHER: Any = {"type": "function", "name": "get_weather", "description": "Weath
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, env=KEYS).start()
-    yield stack
-    stack.stop()
-
-
-def _client(stack: Stack, replica: int, key: str = OWNER) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url(replica)}/v1", api_key=key, max_retries=0,
-                         timeout=60)
+    with two_replicas(redis_url, tiny_model, KEYS) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def one(stack: Stack) -> openai.OpenAI:
-    return _client(stack, 0)
+    return client(stack, 0, OWNER)
 
 
 @pytest.fixture(scope="module")
 def two(stack: Stack) -> openai.OpenAI:
-    return _client(stack, 1)
+    return client(stack, 1, OWNER)
 
 
 def _tokens(stack: Stack, messages: list[dict[str, str]]) -> int:
@@ -69,8 +64,16 @@ def _tokens(stack: Stack, messages: list[dict[str, str]]) -> int:
     return count
 
 
+def _accepted(stack: Stack) -> dict[str, float]:
+    """Replica 0's count of accepted requests, by endpoint."""
+    samples = stack.metrics(f"{stack.url(0)}/metrics")
+    return {e: samples.get(f'redserve_api_requests_total{{endpoint="{e}",model="{MODEL}"}}', 0)
+            for e in ("chat", "completions", "responses")}
+
+
 def test_plain_response_is_the_chat_reply(one: openai.OpenAI, two: openai.OpenAI,
                                           stack: Stack) -> None:
+    before = _accepted(stack)
     r = one.responses.create(model=MODEL, input="Hello there", instructions="Be brief.",
                              max_output_tokens=12, temperature=0, metadata={"k": "v"})
     assert r.id.startswith("resp_") and r.object == "response"
@@ -86,6 +89,10 @@ def test_plain_response_is_the_chat_reply(one: openai.OpenAI, two: openai.OpenAI
     chat = one.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
                                        max_tokens=12, temperature=0)
     assert r.output_text == chat.choices[0].message.content
+    # Counted apart in the metrics, by endpoint.
+    after = _accepted(stack)
+    assert {e: after[e] - before[e] for e in after} == {"chat": 1, "completions": 0,
+                                                        "responses": 1}
     # Stored, and read back on the other replica exactly as it was answered.
     again = two.responses.retrieve(r.id)
     assert again.model_dump() == r.model_dump()
@@ -150,6 +157,37 @@ def test_function_call_and_its_output_fed_back(one: openai.OpenAI, two: openai.O
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
 
 
+def test_a_forced_call_cut_inside_its_name_shows_no_call_syntax(one: openai.OpenAI) -> None:
+    """max_output_tokens ends a forced call before its name is whole: no call can be named,
+    and its syntax is no text for the user; the response, and chat's reply, hold neither."""
+    named: Any = {"type": "function", "name": "get_weather"}
+    chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in (
+        "name", "description", "parameters")}}
+    body: Any = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                     tools=[chat_tool], temperature=0,
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = one.chat.completions.create(**body, max_tokens=60, logprobs=True).choices[0]
+    assert whole.logprobs is not None
+    tokens = [t.token for t in whole.logprobs.content or []]
+    quote = "".join(tokens).index('"get_weather"')
+    cut = next(n for n in range(len(tokens)) if len("".join(tokens[:n])) > quote + 1)
+    assert '"get_weather"' not in "".join(tokens[:cut])  # inside the name
+    assert START.startswith("".join(tokens[:2])) and "".join(tokens[:2]) != START
+    for most in (2, cut):  # inside the opening tag `<tool_call>`, inside the name
+        chat = one.chat.completions.create(**body, max_tokens=most).choices[0]
+        assert chat.finish_reason == "length" and not chat.message.tool_calls
+        assert not chat.message.content, chat.message.content
+    for stream in (False, True):
+        kwargs: Any = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                           tool_choice=named, temperature=0, max_output_tokens=cut)
+        events: Any = list(one.responses.create(**kwargs, stream=True)) if stream else None
+        r = events[-1].response if stream else one.responses.create(**kwargs)
+        assert r.status == "incomplete" and r.usage is not None
+        assert r.usage.output_tokens == cut
+        assert not [i for i in r.output if i.type == "function_call"]
+        assert r.output_text == "", r.output
+
+
 def test_chain_of_three_turns_across_replicas(stack: Stack, one: openai.OpenAI,
                                               two: openai.OpenAI) -> None:
     common: Any = dict(model=MODEL, max_output_tokens=6, temperature=0)
@@ -179,7 +217,7 @@ def test_chain_of_three_turns_across_replicas(stack: Stack, one: openai.OpenAI,
 
 def test_another_tenant_cannot_see_a_stored_response(stack: Stack, one: openai.OpenAI) -> None:
     r = one.responses.create(model=MODEL, input="private", max_output_tokens=3)
-    stranger = _client(stack, 1, STRANGER)
+    stranger = client(stack, 1, STRANGER)
     with pytest.raises(openai.NotFoundError):
         stranger.responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError):

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
+from tests.responses_stack import MODEL, client, two_replicas
 from tests.stack import Stack
 
-MODEL = "tiny-llama"
 OWNER, STRANGER = "sk-background-owner", "sk-background-stranger"
 ENV = {"REDSERVE_API_KEYS": f"owner:{OWNER},stranger:{STRANGER}",
        "REDSERVE_RESPONSE_TTL_S": "600"}
@@ -25,14 +25,8 @@ ENDED = {"completed", "incomplete", "failed", "cancelled"}
 
 @pytest.fixture(scope="module")
 def stack(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model, served_name=MODEL, replicas=2, env=ENV).start()
-    yield stack
-    stack.stop()
-
-
-def _client(stack: Stack, replica: int, key: str = OWNER) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url(replica)}/v1", api_key=key, max_retries=0,
-                         timeout=60)
+    with two_replicas(redis_url, tiny_model, ENV) as stack:
+        yield stack
 
 
 def _polled(client: openai.OpenAI, response_id: str, timeout: float = 30.0) -> Any:
@@ -49,7 +43,7 @@ def _polled(client: openai.OpenAI, response_id: str, timeout: float = 30.0) -> A
 
 
 def test_created_on_one_replica_and_polled_to_the_end_on_the_other(stack: Stack) -> None:
-    one, two = _client(stack, 0), _client(stack, 1)
+    one, two = client(stack, 0, OWNER), client(stack, 1, OWNER)
     r = one.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=200,
                              temperature=0, background=True)
     assert r.background is True and r.status == "queued" and r.output == []
@@ -69,20 +63,20 @@ def test_created_on_one_replica_and_polled_to_the_end_on_the_other(stack: Stack)
     assert fg_cancel.value.body["code"] == "not_background"  # type: ignore[index]
     # Bound to its tenant, as the rest.
     with pytest.raises(openai.NotFoundError):
-        _client(stack, 1, STRANGER).responses.retrieve(r.id)
+        client(stack, 1, STRANGER).responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError):
-        _client(stack, 0, STRANGER).responses.cancel(r.id)
+        client(stack, 0, STRANGER).responses.cancel(r.id)
 
 
 def test_background_needs_store(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        _client(stack, 0).responses.create(model=MODEL, input="x", background=True,
+        client(stack, 0, OWNER).responses.create(model=MODEL, input="x", background=True,
                                            store=False)
     assert refused.value.body["param"] == "store"  # type: ignore[index]
 
 
 def test_cancel_from_the_other_replica(stack: Stack) -> None:
-    one, two = _client(stack, 0), _client(stack, 1)
+    one, two = client(stack, 0, OWNER), client(stack, 1, OWNER)
     r = one.responses.create(model=MODEL, input="Count forever", max_output_tokens=450,
                              temperature=0, background=True)
     cancelled = two.responses.cancel(r.id)
@@ -93,7 +87,7 @@ def test_cancel_from_the_other_replica(stack: Stack) -> None:
 
 
 def test_a_background_stream_left_and_resumed_on_the_other_replica(stack: Stack) -> None:
-    one, two = _client(stack, 0), _client(stack, 1)
+    one, two = client(stack, 0, OWNER), client(stack, 1, OWNER)
     first: list[Any] = []
     with one.responses.create(model=MODEL, input="Go on", max_output_tokens=60,
                               temperature=0, background=True, stream=True) as events:
@@ -117,7 +111,7 @@ def test_a_background_stream_left_and_resumed_on_the_other_replica(stack: Stack)
 def test_it_ends_though_the_admitting_replica_died(stack: Stack) -> None:
     """Last: it kills replica 0. The stored response still ends, derived on replica 1 from
     the request's result stream."""
-    one, two = _client(stack, 0), _client(stack, 1)
+    one, two = client(stack, 0, OWNER), client(stack, 1, OWNER)
     r = one.responses.create(model=MODEL, input="A long tale", max_output_tokens=450,
                              temperature=0, background=True)
     stack.replica_proc(0).kill()

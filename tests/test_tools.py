@@ -196,7 +196,6 @@ DEEP = "[" * 5000  # past Python's recursion limit for json
     ('<tool_call>\n[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
      '"arguments": {"ci', [("get_time", '{"city": "Oslo"}'), ("get_time", '{"ci')]),
     ('<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}{"name": "get_t', []),
-    ('<tool_call>\n{"name": "get_we', []),
     ('<tool_call>\n{"name": "get_time", "description', []),
     ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>{"na',
      [("get_time", "{}")]),
@@ -207,10 +206,10 @@ DEEP = "[" * 5000  # past Python's recursion limit for json
 def test_what_a_call_left_open_becomes(text: str, calls: list[tuple[str, str]],
                                        cut_short: bool) -> None:
     """Cut short by max_tokens, a call is a call once its name is whole (a list's whole
-    calls before it too); before that, or when it is not a call's shape, the text stays
-    content. Ended any other way (a stop string, the model's own end), an open call that
-    does not parse is content. Beside a whole call it is dropped. Nesting too deep for
-    Python's json is not JSON, never an error."""
+    calls before it too); when it is not a call's shape, the text stays content. Ended any
+    other way (a stop string, the model's own end), an open call that does not parse is
+    content. Beside a whole call it is dropped. Nesting too deep for Python's json is not
+    JSON, never an error."""
     parser = ToolCallParser("req")
     content, made = parser.feed(text)
     rest, more = parser.flush(cut_short)
@@ -219,6 +218,24 @@ def test_what_a_call_left_open_becomes(text: str, calls: list[tuple[str, str]],
         calls = []
     assert whole + [(c.name, c.arguments) for c in more] == calls
     assert content + rest == ("" if calls else text)
+
+
+@pytest.mark.parametrize("text", [
+    "<", "<tool_", "Sure. <tool_call", "<tool_call>", "<tool_call>\n", '<tool_call>\n{"na',
+    '<tool_call>\n{"name": "get_we',
+    '<tool_call>\n{"name": "a\\', '<tool_call>\n[{"name": "get_', "<tool_call>" + " " * 100_000,
+])
+@pytest.mark.parametrize("cut_short", [True, False])
+def test_a_call_cut_before_its_name_is_whole_is_neither_call_nor_content(
+        text: str, cut_short: bool) -> None:
+    """max_tokens cut a call before its name was whole, or inside its opening tag: there is
+    no call to name, and its syntax is not words for the user (what a forced call cut after a
+    few tokens wrote); words before it stay. Ended any other way, the text stays content."""
+    parser = ToolCallParser("req")
+    content, made = parser.feed(text)
+    rest, more = parser.flush(cut_short)
+    assert made == more == []
+    assert content + rest == (text.partition("<")[0] if cut_short else text)
 
 
 def test_history_with_arguments_nested_too_deep_is_served(client: openai.OpenAI) -> None:

@@ -6,100 +6,25 @@ replica as links; with tracing off (or a request not sampled) nothing is added t
 
 from __future__ import annotations
 
-import gzip
 import json
 import secrets
 import signal
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from ops.embedded_redis import free_port
+from ops.otlp_receiver import OTLPReceiver, Received
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 
 MODEL = "tiny-llama"
 
 
-@dataclass(frozen=True)
-class Received:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent: str
-    kind: int
-    attributes: dict[str, Any]
-    links: list[tuple[str, str, dict[str, Any]]]  # (trace id, span id, attributes)
-
-
-def _value(v: AnyValue) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
-def _attributes(kvs: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in kvs}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in request.resource_spans:
-            service = _attributes(resource_spans.resource.attributes)["service.name"]
-            for scope in resource_spans.scope_spans:
-                for s in scope.spans:
-                    self.server.add(Received(
-                        service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                        s.parent_span_id.hex(), s.kind, _attributes(s.attributes),
-                        [(link.trace_id.hex(), link.span_id.hex(), _attributes(link.attributes))
-                         for link in s.links]))
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP trace receiver: keeps every span it is sent."""
-
-    def __init__(self, port: int) -> None:
-        super().__init__(("127.0.0.1", port), _Handler)
-        self.spans: list[Received] = []
-        self._lock = threading.Lock()
-
-    def add(self, span: Received) -> None:
-        with self._lock:
-            self.spans.append(span)
-
-    def of(self, trace_id: str) -> list[Received]:
-        with self._lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
-
+class Receiver(OTLPReceiver):
     def wait(self, check: Callable[[], object], timeout: float = 15.0) -> None:
         assert eventually(check, timeout), json.dumps(
             [(s.service, s.name, s.trace_id, s.span_id, s.parent) for s in self.spans],
@@ -108,17 +33,14 @@ class Receiver(ThreadingHTTPServer):
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    server = Receiver(free_port())
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = Receiver().start()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 def _traced_env(receiver: Receiver) -> dict[str, str]:
     return {"OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_address[1]}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "OTEL_BSP_SCHEDULE_DELAY": "100"}
 

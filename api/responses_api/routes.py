@@ -48,8 +48,8 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     request_id = new_request_id(ctx.replica)
     items = history + input_items(body, RESPONSE_PREFIX + request_id)
     state = view_state(body, items) if streamed else None
-    started = await start(ctx, request, prepared, "chat", tenant, responses=state,
-                          base_id=request_id)
+    started = await start(ctx, request, prepared, "chat", tenant, "responses",
+                          responses=state, base_id=request_id)
     spec = started.spec
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
     save = store.finish_background if body.background else store.save

@@ -2,11 +2,15 @@
 
 Text outside the tags is the message's content; a tag pair holding a JSON call (or a list of
 calls) becomes OpenAI's `tool_calls`. While text could still be the start of a tag, it is held
-back, so a streaming client never sees half a tag as content; a call is released whole once
-its closing tag arrives. What does not parse as a call stays content, as the model wrote it,
-except a call that max_tokens cut short once its name was whole: that is still the call the
-model was making (a forced call always is one), so it comes back as OpenAI returns one cut
-short, its arguments the JSON text written so far, beside finish_reason "length".
+back, so a streaming client never sees half a tag as content; a call is released whole once its
+closing tag arrives. What does not parse as a call stays content, as the model wrote it, except
+a call that max_tokens cut short: once its name was whole, that is still the call the model was
+making (a forced call always is one), so it comes back as OpenAI returns one cut short, its
+arguments the JSON text written so far, beside finish_reason "length"; cut before its name was
+whole (or inside its opening tag), it is no call anyone can name, and no content either (the
+model was writing a call's syntax, not words for the user), so the reply holds neither, as a
+reply cut short before its first word. vLLM returns such text as content; OpenAI, whose calls
+are never text, never shows call syntax.
 """
 
 from __future__ import annotations
@@ -86,6 +90,17 @@ def _cut_call(body: str, ids: Iterator[str]) -> ParsedCall | None:
 
 
 _SEPARATOR = re.compile(r"\s*,?\s*")
+# What a call's opening looks like before its name is whole: `{"name": "get_we`, or less of
+# it (the possessive `*+` never backtracks on a long run of whitespace).
+_OPENING = re.compile(r'\s*+(?:\{\s*+(?:"(?:n(?:a(?:m(?:e(?:"\s*+(?::\s*+'
+                      r'(?:"(?:[^"\\]|\\.)*+\\?)?)?)?)?)?)?)?)?)?')
+
+
+def _begun(body: str) -> bool:
+    """Whether a cut-short text is a call (or a list of them) begun, its first name not whole
+    yet."""
+    text = body.lstrip()
+    return _OPENING.fullmatch(text[1:] if text.startswith("[") else text) is not None
 
 
 def _cut_calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
@@ -153,18 +168,23 @@ class ToolCallParser:
 
     def flush(self, cut_short: bool = False) -> tuple[str, list[ParsedCall]]:
         """At the end: a call left open (no closing tag) parses if its JSON is whole; if
-        max_tokens cut it short (`cut_short`), what it began is a call once a name is whole."""
+        max_tokens cut it short (`cut_short`), what it began is a call once a name is whole,
+        and nothing before (nor is the start of a tag the cut left unfinished)."""
         buf, self.pending = self.pending, ""
-        if not self.in_call:
-            return self._content([buf]), []
+        if not self.in_call:  # `buf`: what could begin a tag, which a cut never finished
+            return self._content(["" if cut_short else buf]), []
         self.in_call = False
         parsed = _calls(buf, self._ids)
         if parsed is not None:
             return "", self._kept(parsed)
         if self.made:  # left open beside whole calls: no answer of its own
             return "", []
-        cut = _cut_calls(buf, self._ids) if cut_short else None
-        return ("", self._kept(cut)) if cut is not None else (START + buf, [])
+        if not cut_short:
+            return START + buf, []
+        cut = _cut_calls(buf, self._ids)
+        if cut is not None:
+            return "", self._kept(cut)
+        return ("", []) if _begun(buf) else (START + buf, [])
 
     def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         if self.most is not None:

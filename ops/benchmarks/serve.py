@@ -73,7 +73,7 @@ class Load:
         return self.tokens / self.seconds
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -104,7 +104,7 @@ async def _stream(client: httpx.AsyncClient, server: Server, content: str, max_t
     load.itl += [b - a for a, b in itertools.pairwise(times)]
 
 
-async def _load(server: Server, streams: int, max_tokens: int, prompt: str | None) -> Load:
+async def run_load(server: Server, streams: int, max_tokens: int, prompt: str | None) -> Load:
     load = Load()
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
@@ -121,8 +121,8 @@ def measure(start: Callable[[], Server], runs: list[tuple[int, int, str | None]]
     server = start()
     try:
         server.wait()
-        asyncio.run(_load(server, 4, 8, None))  # warm-up
-        loads = [asyncio.run(_load(server, n, m, p)) for n, m, p in runs]
+        asyncio.run(run_load(server, 4, 8, None))  # warm-up
+        loads = [asyncio.run(run_load(server, n, m, p)) for n, m, p in runs]
         for load in loads:
             load.rss_mib = server.rss()
             if load.empty:
@@ -239,19 +239,20 @@ def _report(console: Console, args: argparse.Namespace, ours_name: str,
     for name, loads in results.items():
         load = loads[0]
         table.add_row(name, str(load.tokens), f"{load.rate:.1f}",
-                      f"{_pct(load.ttft, 0.5) * 1e3:.0f}", f"{_pct(load.ttft, 0.99) * 1e3:.0f}",
-                      f"{_pct(load.itl or [0.0], 0.5) * 1e3:.1f}", f"{load.rss_mib:.0f}",
+                      f"{percentile(load.ttft, 0.5) * 1e3:.0f}",
+                      f"{percentile(load.ttft, 0.99) * 1e3:.0f}",
+                      f"{percentile(load.itl or [0.0], 0.5) * 1e3:.1f}", f"{load.rss_mib:.0f}",
                       f"{_decode_rate(loads[1]):.1f}" if len(loads) > 1 else "")
     console.print(table)
     ours = results[ours_name]
-    ttft = _pct(ours[0].ttft, 0.5)
+    ttft = percentile(ours[0].ttft, 0.5)
     for family, rate_target, ttft_target in (("transformers", 2.5, 1 / 3), ("vLLM", 1.5, 0.5)):
         peers = {n: r for n, r in results.items() if n.startswith(family)}
         if not peers:
             continue
         best = max(peers, key=lambda n: peers[n][0].rate)
         rate = ours[0].rate / peers[best][0].rate
-        vs_ttft = ttft / _pct(peers[best][0].ttft, 0.5)
+        vs_ttft = ttft / percentile(peers[best][0].ttft, 0.5)
         line = (f"against {best}: tokens/s {rate:.2f}x (target >= {rate_target}x: "
                 f"{_verdict(rate >= rate_target)}), TTFT p50 {vs_ttft:.2f}x (target <= "
                 f"{ttft_target:.2f}x: {_verdict(vs_ttft <= ttft_target)})")

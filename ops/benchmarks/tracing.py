@@ -4,85 +4,38 @@
                                      [--dtype auto]
 
 Tracing is opt-in (shared/tracing.py, docs/observability.md#traces); the target is that off it
-costs nothing and on, every request sampled (`OTEL_TRACES_SAMPLER=always_on`), a load keeps
->= 0.95x of its output tokens/s. The load is serve.py's: `--streams` concurrent chat streams of
-up to `--max-tokens` tokens through HTTP, greedy, the default model. The spans go over
-OTLP/HTTP to a receiver in this process that counts them (so an export costs what it costs
-against a collector that answers at once); the run checks that every request sent spans.
-Off and on alternate, `--rounds` times each, each round on a fresh `redserve up` after a
-warm-up, so a drift of the machine falls on both; each round's figure is printed, and the
-ratio is of the medians.
+costs nothing and on, every request sampled (`OTEL_TRACES_SAMPLER=always_on`), a load keeps >=
+0.95x of its output tokens/s. The load is serve.py's: `--streams` concurrent chat streams of up
+to `--max-tokens` tokens through HTTP, greedy, the default model. The spans go over OTLP/HTTP
+to a receiver in this process (ops/otlp_receiver.py), which answers at once and keeps them, so
+an export costs what it costs against a collector that keeps up; the run counts what it kept,
+to check that every request sent spans. Off and on alternate, `--rounds` times each, each round
+on a fresh `redserve up` after a warm-up, so a drift of the machine falls on both; each round's
+figure is printed, and the ratio is of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import statistics
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from rich.table import Table
 
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import redserve
-from ops.benchmarks.serve import Load, _load, _pct
+from ops.benchmarks.serve import Load, percentile, run_load
 from ops.console import make_console
-from ops.embedded_redis import free_port
+from ops.otlp_receiver import OTLPReceiver
 from shared.settings import DEFAULT_MODEL
-
-
-class _Count(BaseHTTPRequestHandler):
-    server: SpanSink
-
-    def do_POST(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        request = ExportTraceServiceRequest.FromString(body)
-        self.server.counted(sum(len(scope.spans) for rs in request.resource_spans
-                                for scope in rs.scope_spans))
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class SpanSink(ThreadingHTTPServer):
-    """An OTLP/HTTP receiver that only counts the spans it is sent."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", free_port()), _Count)
-        self.spans = 0
-        self._lock = threading.Lock()
-
-    def counted(self, n: int) -> None:
-        with self._lock:
-            self.spans += n
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
 
 def _round(dtype: str, env: dict[str, str], streams: int, max_tokens: int) -> Load:
     server = redserve(dtype, env)
     try:
         server.wait()
-        asyncio.run(_load(server, 4, 8, None))  # warm-up
-        return asyncio.run(_load(server, streams, max_tokens, None))
+        asyncio.run(run_load(server, 4, 8, None))  # warm-up
+        return asyncio.run(run_load(server, streams, max_tokens, None))
     finally:
         server.stop()
 
@@ -97,8 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
-    sink = SpanSink()
-    threading.Thread(target=sink.serve_forever, daemon=True).start()
+    sink = OTLPReceiver().start()
     settings = {
         "off": {},
         "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_TRACES_SAMPLER": "always_on"},
@@ -108,13 +60,13 @@ def main() -> None:
     for i in range(args.rounds):
         for name, env in settings.items():
             with console.status(f"round {i + 1}: tracing {name}"):
-                before = sink.spans
+                before = len(sink.spans)
                 loads[name].append(_round(args.dtype, env, args.streams, args.max_tokens))
                 if name == "on":
-                    spans += sink.spans - before
-                elif sink.spans != before:
+                    spans += len(sink.spans) - before
+                elif len(sink.spans) != before:
                     raise RuntimeError("tracing off, and yet spans were sent")
-    sink.shutdown()
+    sink.stop()
     table = Table(title=f"{args.streams} streams x {args.max_tokens} tokens, {DEFAULT_MODEL}, "
                         "greedy, through HTTP: tracing off and on (always_on)")
     for col in ("tracing", "round", "tokens", "tokens/s", "TTFT p50 ms", "ITL p50 ms"):
@@ -122,8 +74,8 @@ def main() -> None:
     for name, runs in loads.items():
         for i, load in enumerate(runs, start=1):
             table.add_row(name, str(i), str(load.tokens), f"{load.rate:.1f}",
-                          f"{_pct(load.ttft, 0.5) * 1e3:.0f}",
-                          f"{_pct(load.itl or [0.0], 0.5) * 1e3:.1f}")
+                          f"{percentile(load.ttft, 0.5) * 1e3:.0f}",
+                          f"{percentile(load.itl or [0.0], 0.5) * 1e3:.1f}")
     console.print(table)
     off = statistics.median(load.rate for load in loads["off"])
     on = statistics.median(load.rate for load in loads["on"])

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ops.inspector.snapshot import LimitView, Snapshot, Unreadable, WorkerView
+from ops.inspector.stored import StoredResponses
 
 STATE_STYLE = {"queued": "yellow", "running": "cyan", "streaming": "green",
                "resumable": "magenta", "cancelling": "red"}
@@ -33,6 +34,8 @@ def tables(snapshot: Snapshot) -> RenderableType:
         parts.append(_limits(snapshot.limits))
     if any(m.served for m in snapshot.models):
         parts.append(_tenants(snapshot))
+    if snapshot.stored_responses.count:
+        parts.append(_stored(snapshot.stored_responses))
     if snapshot.unreadable:
         parts.append(_unreadable(snapshot.unreadable))
     return Group(*parts)
@@ -87,6 +90,27 @@ def _tenants(s: Snapshot) -> Table:
         for tenant, served in m.served.items():
             table.add_row(Text(m.name), Text(tenant), f"{served:,.0f}")
     return table
+
+
+def _stored(stored: StoredResponses) -> Table:
+    """Stored `/v1/responses` replies per tenant, and the memory they hold."""
+    how = ("measured" if stored.measured == stored.count
+           else f"estimated from {stored.measured} measured")
+    table = Table(title=f"stored responses: {stored.count}, {_bytes(stored.memory_bytes)} "
+                  f"({how})", title_justify="left")
+    table.add_column("tenant", no_wrap=True)
+    table.add_column("responses", justify="right", no_wrap=True)
+    table.add_column("memory", justify="right", no_wrap=True)
+    for t in stored.tenants:
+        table.add_row(Text(t.tenant), str(t.count), _bytes(t.memory_bytes))
+    return table
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _workers(s: Snapshot) -> Table:

@@ -17,14 +17,13 @@ the admission script would see them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from ops.inspector.keyspace import text, walk
+from ops.inspector import stored
+from ops.inspector.keyspace import batched, text, walk
 from shared.keys import QUEUE_STALE_MARGIN_S, QUEUED_CONSUMER, WORKER_GROUP, Keys, replica_of
 from shared.messages import (
     Bucket,
@@ -39,12 +38,10 @@ from shared.messages import (
     decode_result,
 )
 
-BATCH = 200
 HASH_FIELDS = (RequestField.STATE, RequestField.MODEL, RequestField.TENANT, RequestField.CREATED,
                RequestField.PROMPT_TOKENS, RequestField.WORKER, RequestField.STREAMING,
                RequestField.DETACHED)
 FINISHED = frozenset({RequestState.DONE, RequestState.ABORTED, RequestState.ERROR})
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -134,6 +131,7 @@ class Snapshot:
     models: tuple[ModelView, ...]
     workers: tuple[WorkerView, ...]
     limits: tuple[LimitView, ...]  # by model, then tenant
+    stored_responses: stored.StoredResponses  # of every model, whatever `--model` says
     unreadable: tuple[Unreadable, ...]  # keys that do not hold what redserve writes there
 
 
@@ -172,7 +170,7 @@ async def take(redis: aioredis.Redis, keys: Keys, *, queue_timeout_s: float,
     found = await walk(redis, keys)
     now = time.time()
     ids = sorted(found.request_ids)
-    hashes = await _batched(redis, ids, 1, lambda p, i: p.hmget(keys.state(i), HASH_FIELDS))
+    hashes = await batched(redis, ids, 1, lambda p, i: p.hmget(keys.state(i), HASH_FIELDS))
     fields = [dict(zip(HASH_FIELDS, [None if v is None else text(v)
                                      for v in values or [None] * len(HASH_FIELDS)],
                        strict=True)) for [values] in hashes]
@@ -203,6 +201,7 @@ async def take(redis: aioredis.Redis, keys: Keys, *, queue_timeout_s: float,
                                    - QUEUE_STALE_MARGIN_S, now)),
         workers=tuple(workers),
         limits=tuple(await _limits(redis, keys, sorted(found.limits), model, unreadable)),
+        stored_responses=await stored.read(redis, keys, sorted(found.responses)),
         unreadable=tuple(unreadable))
 
 
@@ -214,7 +213,7 @@ async def _requests(redis: aioredis.Redis, keys: Keys, listed: list[_Live], now:
         pipe.xrevrange(keys.out(item.id), "+", "-", count=1)
 
     views = []
-    for r, (aborted, resumed, last) in zip(listed, await _batched(redis, listed, 3, stage),
+    for r, (aborted, resumed, last) in zip(listed, await batched(redis, listed, 3, stage),
                                            strict=True):
         record = r.record
         state = request_state(record.state, streaming=record.streaming,
@@ -253,7 +252,7 @@ def _generated(last: list[tuple[bytes, dict[bytes, bytes]]] | None) -> int:
 
 async def _workers(redis: aioredis.Redis, keys: Keys, names: list[str], model: str | None,
                    now: float, unreadable: list[Unreadable]) -> list[WorkerView]:
-    bodies = await _batched(redis, names, 1, lambda p, n: p.get(keys.worker(n)))
+    bodies = await batched(redis, names, 1, lambda p, n: p.get(keys.worker(n)))
     views = []
     for name, [raw] in zip(names, bodies, strict=True):
         if raw is None:
@@ -298,7 +297,7 @@ async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_sin
 
     views = []
     for name, (queued, length, groups, live, consumers, served) in zip(
-            names, await _batched(redis, names, 6, stage), strict=True):
+            names, await batched(redis, names, 6, stage), strict=True):
         # No stream yet (or it expired with its last worker): no groups.
         group = next((g for g in groups or [] if text(g["name"]) == WORKER_GROUP), None)
         waiting = sum(int(c["pending"]) for c in consumers or []
@@ -321,7 +320,7 @@ async def _limits(redis: aioredis.Redis, keys: Keys, buckets: list[tuple[str, st
         return []
     seconds, micros = await redis.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    replies = await _batched(redis, mine, 1, lambda p, b: p.hmget(keys.limits(*b),
+    replies = await batched(redis, mine, 1, lambda p, b: p.hmget(keys.limits(*b),
                                                                    list(BucketField)))
     views = []
     for (name, tenant), [values] in zip(mine, replies, strict=True):
@@ -341,19 +340,3 @@ async def _limits(redis: aioredis.Redis, keys: Keys, buckets: list[tuple[str, st
             tokens_remaining=int(now.tokens) if now.tokens_limit else None,
             tokens_limit=now.tokens_limit))
     return views
-
-
-async def _batched(redis: aioredis.Redis, items: Sequence[T], per_item: int,
-                   stage: Callable[[Any, T], object]) -> list[list[Any]]:
-    """For each item, the replies of the `per_item` commands `stage` adds for it, `BATCH`
-    items a pipeline. A command that fails answers None (XINFO of a stream that does not
-    exist, a key of another type than ours); Redis being unreachable raises."""
-    replies: list[list[Any]] = []
-    for start in range(0, len(items), BATCH):
-        pipe = redis.pipeline(transaction=False)
-        for item in items[start:start + BATCH]:
-            stage(pipe, item)
-        flat = [None if isinstance(r, RedisError) else r
-                for r in await pipe.execute(raise_on_error=False)]
-        replies += [flat[i:i + per_item] for i in range(0, len(flat), per_item)]
-    return replies
