@@ -1,7 +1,8 @@
 """Background responses (`background: true`) through the official `openai` client, against two
 real API replicas, a worker and Redis: created on one replica and polled to the end on the
 other, cancelled, streamed and resumed, and finished after the replica that admitted it died
-(its end derived from the request's result stream)."""
+(its end derived from the request's result stream), while a conversation that replica
+answered goes on on the other."""
 
 from __future__ import annotations
 
@@ -110,12 +111,23 @@ def test_a_background_stream_left_and_resumed_on_the_other_replica(stack: Stack)
 
 def test_it_ends_though_the_admitting_replica_died(stack: Stack) -> None:
     """Last: it kills replica 0. The stored response still ends, derived on replica 1 from
-    the request's result stream."""
+    the request's result stream; and a conversation replica 0 answered goes on on replica 1."""
     one, two = client(stack, 0, OWNER), client(stack, 1, OWNER)
+    turn = one.responses.create(model=MODEL, input="First turn", max_output_tokens=5,
+                                temperature=0)
     r = one.responses.create(model=MODEL, input="A long tale", max_output_tokens=450,
                              temperature=0, background=True)
     stack.replica_proc(0).kill()
     stack.replica_proc(0).wait(10)
+    # The turn replica 0 stored is the conversation replica 1 goes on with.
+    follow = two.responses.create(model=MODEL, input="Second turn", max_output_tokens=5,
+                                  temperature=0, previous_response_id=turn.id)
+    assert follow.status in ("completed", "incomplete")
+    items = two.responses.input_items.list(follow.id, order="asc").data
+    texts = [(i.role, "".join(c.text for c in i.content))  # type: ignore[union-attr]
+             for i in items]
+    assert texts == [("user", "First turn"), ("assistant", turn.output_text),
+                     ("user", "Second turn")], texts
     done, seen = _polled(two, r.id, timeout=60)
     # It had not ended when its replica died: its end was derived, not stored by replica 0.
     assert seen - ENDED, seen
