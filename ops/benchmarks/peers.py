@@ -34,10 +34,11 @@ class Server:
     """A server started in its own session, stopped with everything it started."""
 
     def __init__(self, cmd: list[str], port: int, model: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
         self.port, self.model = port, model
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
+                                     start_new_session=True, env={**os.environ, **(env or {})},
+                                     cwd=cwd)
 
     @property
     def url(self) -> str:
@@ -74,12 +75,14 @@ def model_dir() -> str:
     return str(resolve_model(DEFAULT_MODEL, Settings().cache_dir).path)
 
 
-def redserve(dtype: str, env: dict[str, str] | None = None) -> Server:
+def redserve(dtype: str, env: dict[str, str] | None = None, tree: str | None = None) -> Server:
     """`redserve up` with its defaults (its own thread policy) at `dtype`; `env` overrides
-    settings (`REDSERVE_*`) for experiments."""
+    settings (`REDSERVE_*`) for experiments; `tree`: the code of another checkout (an earlier
+    commit's `git worktree`), run on this environment, for a before-and-after."""
     port = free_port()
+    env = {**(env or {}), **({"PYTHONPATH": tree} if tree else {})}
     return Server([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--dtype", dtype],
-                  port, DEFAULT_MODEL, env)
+                  port, DEFAULT_MODEL, env, cwd=tree)
 
 
 def transformers_serve(dtype: str, threads: int) -> Server:

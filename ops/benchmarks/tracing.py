@@ -1,7 +1,12 @@
-"""What tracing costs: `redserve up` serving the same load with tracing off and on.
+"""What tracing costs: `redserve up` serving the same load with tracing off and on, and
+optionally the same load on the code from before tracing was added.
 
     python -m ops.benchmarks.tracing [--streams 32] [--max-tokens 64] [--rounds 2]
-                                     [--dtype auto]
+                                     [--dtype auto] [--before PATH]
+
+`--before PATH`: a checkout from before tracing (`git worktree add PATH 077a799`), run on this
+environment, as a third arm: tracing off should cost nothing against it, within the noise
+(the rounds' own spread, printed beside the ratio).
 
 Tracing is opt-in (shared/tracing.py, docs/observability.md#traces); the target is that off it
 costs nothing and on, every request sampled (`OTEL_TRACES_SAMPLER=always_on`), a load keeps >=
@@ -30,8 +35,9 @@ from ops.otlp_receiver import OTLPReceiver
 from shared.settings import DEFAULT_MODEL
 
 
-def _round(dtype: str, env: dict[str, str], streams: int, max_tokens: int) -> Load:
-    server = redserve(dtype, env)
+def _round(dtype: str, env: dict[str, str], streams: int, max_tokens: int,
+           tree: str | None) -> Load:
+    server = redserve(dtype, env, tree)
     try:
         server.wait()
         asyncio.run(run_load(server, 4, 8, None))  # warm-up
@@ -47,6 +53,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each, alternating")
     ap.add_argument("--dtype", default="auto", help="redserve's --dtype (default auto)")
+    ap.add_argument("--before", metavar="PATH",
+                    help="a checkout from before tracing: a third arm, tracing off's baseline")
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
@@ -55,13 +63,17 @@ def main() -> None:
         "off": {},
         "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_TRACES_SAMPLER": "always_on"},
     }
-    loads: dict[str, list[Load]] = {"off": [], "on": []}
+    trees: dict[str, str | None] = {"off": None, "on": None}
+    if args.before:
+        settings["before"], trees["before"] = {}, args.before
+    loads: dict[str, list[Load]] = {name: [] for name in settings}
     spans = 0
     for i in range(args.rounds):
         for name, env in settings.items():
             with console.status(f"round {i + 1}: tracing {name}"):
                 before = len(sink.spans)
-                loads[name].append(_round(args.dtype, env, args.streams, args.max_tokens))
+                loads[name].append(_round(args.dtype, env, args.streams, args.max_tokens,
+                                          trees[name]))
                 if name == "on":
                     spans += len(sink.spans) - before
                 elif len(sink.spans) != before:
@@ -85,6 +97,19 @@ def main() -> None:
     console.print(f"tokens/s median: off {off:.1f}, on {on:.1f}: {on / off:.3f}x "
                   f"(target >= 0.95x: {verdict}); {spans} spans received from at least "
                   f"{requests} traced requests")
+    if args.before:
+        baseline = statistics.median(load.rate for load in loads["before"])
+        noise = max(_spread(loads[name]) for name in ("off", "before"))
+        within = "within" if abs(off / baseline - 1) <= noise else "OUTSIDE"
+        console.print(f"tracing off against before tracing: {off:.1f} vs {baseline:.1f} "
+                      f"tokens/s, {off / baseline:.3f}x; the rounds' spread is ±{noise:.1%}: "
+                      f"{within} the noise")
+
+
+def _spread(loads: list[Load]) -> float:
+    """How far one arm's rounds lie apart: (max - min) / median of their tokens/s."""
+    rates = [load.rate for load in loads]
+    return (max(rates) - min(rates)) / statistics.median(rates)
 
 
 if __name__ == "__main__":
