@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from api.text import IncrementalDecoder, TextCodec
 from api.tools.parse import ParsedCall, ToolCallParser
@@ -23,6 +23,16 @@ class ResultSource(Protocol):
     def __aiter__(self) -> AsyncIterator[ResultEntry]: ...
 
     async def close(self, outcome: str | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's logprob and its alternatives', as text; each wire format shapes it its own
+    way (`api.render`)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
 
 
 class StopStrings:
@@ -58,7 +68,6 @@ class Choice:
     generation: ResultSource
     decoder: IncrementalDecoder
     stops: StopStrings | None
-    chat: bool
     codec: TextCodec
     prefix: str = ""  # echoed prompt text, shown before the completion
     prompt_index: int = 0  # which prompt of the request (n choices share one)
@@ -68,11 +77,10 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def on_tokens(self, entry: Tokens) -> tuple[str, list[Any], list[ParsedCall]]:
+    def on_tokens(self, entry: Tokens) -> tuple[str, list[TokenLogprob], list[ParsedCall]]:
         """Text delta, logprob items and completed tool calls for a tokens entry. Tokens at
-        positions already seen
-        are dropped: a publish that Redis applied but whose reply was lost is sent again by
-        the client's retry, and must not show twice."""
+        positions already seen are dropped: a publish that Redis applied but whose reply was
+        lost is sent again by the client's retry, and must not show twice."""
         seen = self.tokens_seen - entry.index
         if seen > 0:
             entry = Tokens(entry.index + seen, entry.ids[seen:],
@@ -120,37 +128,9 @@ class Choice:
         return "tool_calls" if self.tools is not None and self.tools.made and (
             reason == "stop") else reason
 
-    def _logprobs(self, entry: Tokens) -> list[Any]:
+    def _logprobs(self, entry: Tokens) -> list[TokenLogprob]:
         if entry.logprobs is None:
             return []
-        items: list[Any] = []
-        for token_id, (logprob, top) in zip(entry.ids, entry.logprobs, strict=True):
-            token = self.codec.token_text(token_id)
-            if self.chat:
-                items.append({
-                    "token": token, "logprob": logprob, "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": (t := self.codec.token_text(i)), "logprob": lp,
-                         "bytes": list(t.encode())} for i, lp in top
-                    ],
-                })
-            else:
-                items.append((token, logprob, {self.codec.token_text(i): lp for i, lp in top}))
-        return items
-
-
-def chat_logprobs(items: list[Any]) -> dict[str, Any]:
-    return {"content": items}
-
-
-def text_logprobs(items: list[Any], offset: int) -> dict[str, Any]:
-    offsets = []
-    for token, _, _ in items:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": [t for t, _, _ in items],
-        "token_logprobs": [lp for _, lp, _ in items],
-        "top_logprobs": [top for _, _, top in items],
-        "text_offset": offsets,
-    }
+        text = self.codec.token_text
+        return [TokenLogprob(text(token_id), logprob, tuple((text(i), lp) for i, lp in top))
+                for token_id, (logprob, top) in zip(entry.ids, entry.logprobs, strict=True)]

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from api.responses import json_response
+from api.render.http import json_response
 
 log = logging.getLogger("redserve.api")
 

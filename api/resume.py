@@ -1,7 +1,7 @@
 """Resumable streams: any replica can replay a request's SSE stream from its result stream.
 
 Every SSE event of a reply carries `id: <n>`, its ordinal. The events are a pure function of
-the tokens (one event per token at most, in order: api/replies/merge.py takes entries apart,
+the tokens (one event per token at most, in order: api/render/walk.py takes entries apart,
 so the record's chunks render as the feed's steps did), so a replica that reads the same
 entries from the start and renders them the same way produces the same events with the same
 ids. `GET /v1/requests/{id}/stream` with `Last-Event-ID: n` does exactly that and sends the
@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.metrics import abort_cause
-from api.reply_spec import ReplySpec
+from api.render.spec import ReplySpec
 from shared.aborts import stage_aborts
 from shared.messages import (
     Error,

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from api.context import AppContext, ServedModel
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.responses import json_response
+from api.render.http import json_response
 from api.resume import StreamView, last_event_id
 from api.serving import generate, prepare, resume
 from api.tokenization import chat_prompt_ids

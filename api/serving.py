@@ -1,6 +1,6 @@
 """From a tokenized request to its reply: checked against its model (`prepare`, with the
-checks `api.protocol` owns), then one `Generation` per choice (`n` per prompt), merged into one
-SSE stream or one JSON object (`api.replies`) (`generate`). `start` is the part every wire
+checks `api.protocol` owns), then one `Generation` per choice (`n` per prompt), rendered as one
+SSE stream or one JSON object (`api.render`) (`generate`). `start` is the part every wire
 format shares: the Responses API (`api.responses_api`) renders the same choices its own way."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from api.generation import Generation
 from api.limits.reservation import Reservation
 from api.metrics import Endpoint, ReplyTimer
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.replies.collected import collect, unless_disconnected
-from api.replies.merge import close_all
-from api.replies.streamed import sse
-from api.reply_spec import ReplySpec
-from api.responses import Kind, json_response
+from api.render import collect
+from api.render.formats import renderer, reply_id
+from api.render.spec import Kind, ReplySpec
+from api.render.stream import sse
+from api.render.walk import close_all
 from api.resume import Replay, StreamView
 from api.structured.grammar import compile_constraint
 from api.trace import ReplyTrace
@@ -62,8 +62,7 @@ async def prepare(model: ServedModel, body: ChatCompletionRequest | CompletionRe
 @dataclass(frozen=True)
 class Started:
     """A reply's choices, all queued, and what rendering them needs: a renderer per wire
-    format (`_reply` for chat and completions, `api.responses_api` for responses) takes it
-    from here."""
+    format (`api.render`) takes it from here."""
 
     choices: list[Choice]
     spec: ReplySpec
@@ -82,7 +81,7 @@ async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kin
     base_id = base_id or new_request_id(ctx.replica)
     spec = ReplySpec.from_body(body, kind, base_id, model.name, int(now), prepared.prompts,
                                echoes)
-    trace = ReplyTrace.start(body, spec.header, tenant)  # None unless traced
+    trace = ReplyTrace.start(body, spec, reply_id(spec), tenant)  # None unless traced
     requests = _requests(ctx, prepared, base_id, now, tenant,
                          _trace_id(request.headers.get("x-trace-id", "")), trace)
     _log_received(ctx, body, base_id, tenant, model.name)
@@ -104,8 +103,10 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
     (SSE or JSON)."""
     endpoint: Endpoint = "chat" if kind == "chat" else "completions"
     started = await start(ctx, request, prepared, kind, tenant, endpoint, echoes)
-    return await _reply(request, started.choices, started.spec, started.headers,
-                        prepared.body.stream, ctx.settings.sse_ping_s)
+    rendering = renderer(started.choices, started.spec)
+    if prepared.body.stream:
+        return sse(rendering, started.headers, 0, ctx.settings.sse_ping_s)
+    return await collect.reply(request, rendering, started.headers)
 
 
 def _trace_id(header: str) -> str:
@@ -209,22 +210,11 @@ def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec,
         g.timer = timer
 
 
-async def _reply(request: Request, choices: list[Choice], spec: ReplySpec,
-                 headers: dict[str, str], stream: bool, ping_s: float) -> Response:
-    """An SSE stream (its choices closed as it ends), or the JSON reply once all are done."""
-    if stream:
-        return sse(choices, spec, headers, 0, ping_s)
-    try:
-        reply = await unless_disconnected(request, collect(choices, spec))
-    finally:
-        await close_all(choices)
-    return json_response(reply or {}, headers=headers)
-
-
 def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamView,
            after: int) -> Response:
     """A single-choice stream replayed from its result stream; only events after `after`
     are sent."""
     spec = view.spec
     choice = spec.choice(Replay(ctx, request_id, view), model.codec)
-    return sse([choice], spec, {"X-Request-Id": spec.base_id}, after, ctx.settings.sse_ping_s)
+    return sse(renderer([choice], spec), {"X-Request-Id": spec.base_id}, after,
+               ctx.settings.sse_ping_s)

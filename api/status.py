@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api.context import AppContext
 from api.errors import APIError
 from api.metrics import QueueDepths
-from api.responses import json_response
+from api.render.http import json_response
 from shared.messages import Heartbeat
 
 router = APIRouter()

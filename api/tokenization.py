@@ -47,7 +47,7 @@ from api.fields import (
     ToolChoice,
 )
 from api.protocol import ChatCompletionRequest
-from api.responses import json_response
+from api.render.http import json_response
 from api.text import ChatOptions, TemplateRefused
 from api.tools.prompt import conversation, native_tools
 

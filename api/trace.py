@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.responses import ReplyHeader
+from api.render.spec import ReplySpec
 from shared import tracing
 
 if TYPE_CHECKING:
@@ -40,9 +40,10 @@ class ReplyTrace:
         self.traceparent = traceparent  # the server span's: what goes into Redis
 
     @classmethod
-    def start(cls, body: ChatCompletionRequest | CompletionRequest, header: ReplyHeader,
-              tenant: str) -> ReplyTrace | None:
-        """The current request's trace, its attributes set; None when off or not sampled."""
+    def start(cls, body: ChatCompletionRequest | CompletionRequest, spec: ReplySpec,
+              reply_id: str, tenant: str) -> ReplyTrace | None:
+        """The current request's trace, its attributes set (`reply_id`: the `id` its reply's
+        objects carry); None when off or not sampled."""
         tracer, server = tracing.tracer("redserve.api"), tracing.current()
         if tracer is None or server is None:
             return None
@@ -50,13 +51,13 @@ class ReplyTrace:
         if traceparent is None:
             return None
         attributes: dict[str, Any] = {
-            "gen_ai.operation.name": "chat" if header.kind == "chat" else "text_completion",
+            "gen_ai.operation.name": "chat" if spec.kind == "chat" else "text_completion",
             "gen_ai.request.model": body.model,
             "gen_ai.request.temperature": body.temperature,
             "gen_ai.request.top_p": body.top_p,
-            "gen_ai.response.id": header.id,
-            "gen_ai.response.model": header.model,
-            "redserve.request_id": header.request_id,
+            "gen_ai.response.id": reply_id,
+            "gen_ai.response.model": spec.model,
+            "redserve.request_id": spec.base_id,
             "redserve.tenant": tenant,
             "redserve.stream": body.stream,
         }

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from openai._streaming import SSEDecoder
 from sse_starlette import ServerSentEvent
 
-from api.replies.streamed import event_stream
+from api.render.stream import event_stream
 from ops.embedded_redis import free_port
 
 PING_S = 0.2

@@ -26,6 +26,7 @@ KEYS = {"REDSERVE_API_KEYS": "owner:sk-responses-owner,stranger:sk-responses-str
         "REDSERVE_RESUME_GRACE_S": "20",
         # What the tests store outlives them by no more than this.
         "REDSERVE_RESPONSE_TTL_S": "600"}
+LOGPROBS: Any = "message.output_text.logprobs"
 AUTH = {"Authorization": "Bearer sk-responses-owner"}
 OWNER, STRANGER = "sk-responses-owner", "sk-responses-stranger"
 # Finite by construction, whatever the random model picks (as in tests/test_structured.py).
@@ -296,6 +297,53 @@ def test_a_cut_stream_resumes_on_the_other_replica(stack: Stack, two: openai.Ope
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_resumable"
 
 
+def test_output_text_logprobs_are_chats_items(one: openai.OpenAI, two: openai.OpenAI) -> None:
+    """With `include` naming them, each text delta carries its tokens' logprobs, as chat's
+    items, and the part (streamed, whole and stored alike) all of them; without, none."""
+    asked: Any = {"model": MODEL, "input": "Hello there", "max_output_tokens": 8,
+                  "temperature": 0, "top_logprobs": 2}
+    chat = one.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    expected = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    assert all(len(t["top_logprobs"]) == 2 for t in expected)
+
+    def same(items: list[Any]) -> None:
+        got = [i if isinstance(i, dict) else i.model_dump() for i in items]
+        assert [g["token"] for g in got] == [e["token"] for e in expected]
+        assert [g["bytes"] for g in got] == [e["bytes"] for e in expected]
+        for g, e in zip(got, expected, strict=True):
+            assert g["logprob"] == pytest.approx(e["logprob"], abs=1e-3)
+            assert [t["token"] for t in g["top_logprobs"]] == [
+                t["token"] for t in e["top_logprobs"]]
+
+    whole = one.responses.create(**asked, include=[LOGPROBS])
+    [message] = whole.output
+    assert message.type == "message" and message.content[0].type == "output_text"
+    assert message.content[0].text == chat.choices[0].message.content
+    same(message.content[0].logprobs or [])
+    stored = two.responses.retrieve(whole.id).output[0]
+    assert stored.type == "message" and stored.content[0].type == "output_text"
+    same(stored.content[0].logprobs or [])
+
+    events: list[Any] = list(one.responses.create(**asked, include=[LOGPROBS], stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and all(d.logprobs for d in deltas)
+    same([item for d in deltas for item in d.logprobs])
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    same(done.logprobs or [])
+    ended = events[-1]  # incomplete, at max_output_tokens
+    assert ended.type == f"response.{whole.status}" and ended.response.status == whole.status
+    part = ended.response.output[0]
+    assert part.type == "message" and part.content[0].type == "output_text"
+    same(part.content[0].logprobs or [])
+
+    plain: Any = one.responses.create(**asked).output[0]  # top_logprobs alone: none, as OpenAI
+    assert plain.type == "message" and plain.content[0].type == "output_text"
+    assert plain.content[0].logprobs == []
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
@@ -307,6 +355,8 @@ def test_a_cut_stream_resumes_on_the_other_replica(stack: Stack, two: openai.Ope
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"background": True, "store": False}, "store"),
     ({"include": ["file_search_call.results"]}, "include"),
+    ({"include": [LOGPROBS, "reasoning.encrypted_content"]}, "include"),
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "schema": BOUNDED}}}, "text.format"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),

@@ -1,2 +1,3 @@
-"""OpenAI's Responses API (`/v1/responses`): its body, its conversation as items, its renderer
-over a choice's token events, and its stored responses in Redis."""
+"""OpenAI's Responses API (`/v1/responses`): its body, its conversation as items, its stored
+responses in Redis, background responses and resumed streams. Its renderer is one of
+`api.render`'s."""

@@ -25,11 +25,11 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext, Live
 from api.errors import APIError
-from api.replies.merge import close_all
+from api.render.responses import RESPONSE_PREFIX, ResponseMeta, ResponsesRenderer
+from api.render.stream import events
+from api.render.walk import close_all
 from api.responses_api import store
 from api.responses_api.body import ResponsesRequest
-from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
-from api.responses_api.reply import Reply
 from api.resume import StreamView
 from shared.aborts import stage_aborts
 from shared.messages import (
@@ -48,7 +48,7 @@ log = logging.getLogger("redserve.api")
 CANCEL_WAIT_S = 5.0
 _POLL_S = 0.05
 
-def spawn(live: Live, reply: Reply) -> None:
+def spawn(live: Live, reply: ResponsesRenderer) -> None:
     """Read the reply to its end in the background (see the module's docstring); `live`
     holds the task (the loop keeps only a weak reference) and the shutdown waits for it."""
     task = asyncio.create_task(_finish(reply))
@@ -56,20 +56,19 @@ def spawn(live: Live, reply: Reply) -> None:
     task.add_done_callback(live.background.discard)
 
 
-async def _finish(reply: Reply) -> None:
+async def _finish(reply: ResponsesRenderer) -> None:
     """The reply's events to the end; a failure is stored as `failed` (its `finished` stores
     the rest)."""
-    last: dict[str, Any] | None = None
     try:
-        async for event in reply.events():
-            last = event
-        if last is not None and last["type"] == "response.failed":
+        async for _ in events(reply):
+            pass
+        if reply.failure is not None:
             with contextlib.suppress(APIError):
-                await reply.finished(last["response"])
+                await reply.finished(reply.failure)
     except Exception:  # a task's error has nobody else to go to
         log.exception("background response %s did not finish", reply.meta.id)
     finally:
-        await close_all([reply.choice])
+        await close_all(reply.choices)
 
 
 class _Recorded:
@@ -122,7 +121,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
         saved.append(await store.save_end(ctx, tenant, stored.input_items, final) or final)
 
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, view.spec.created, view.spec.model, body)
-    await _finish(Reply(choice, meta, view.spec.prompt_tokens, keep))
+    await _finish(ResponsesRenderer(choice, meta, view.spec.prompt_tokens, keep))
     return saved[0] if saved else response
 
 

@@ -1,7 +1,7 @@
 """The body of `POST /v1/responses`, checked as strictly as a chat body (`api.protocol`): an
 unknown field is refused, and so is every field whose meaning redserve cannot honour (built-in
-tools, images and files, reasoning effort, `include`), each with a 400 naming the field, rather
-than answering as if it had been honoured.
+tools, images and files, reasoning effort, any `include` but the output text's logprobs), each
+with a 400 naming the field, rather than answering as if it had been honoured.
 
 What passes is turned into a chat body (`api.responses_api.conversation`), so the Responses API
 shares every check, limit and grammar the chat route has.
@@ -28,6 +28,9 @@ from api.protocol import JSONSchemaFormat
 INPUT_ITEMS = ("message", "function_call", "function_call_output")
 PARTS = ("input_text", "output_text")
 MAX_ID_CHARS = 128
+# The one `include` the engine serves: each output text token's logprobs (`top_logprobs`
+# alternatives each). Without it OpenAI returns none, `top_logprobs` or not; so does redserve.
+LOGPROBS = "message.output_text.logprobs"
 
 
 class InputText(StrictModel):
@@ -192,6 +195,7 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: Reasoning | None = None
     include: Annotated[list[str], Field(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     background: bool = False
     # OpenAI's fields that change nothing in the output: checked, then unused.
     service_tier: Annotated[str, Field(max_length=32)] | None = None
@@ -240,9 +244,10 @@ class ResponsesRequest(StrictModel):
 
     @model_validator(mode="after")
     def _nothing_unhonoured(self) -> Any:
-        if self.include:
-            raise FieldError("include", f"include {self.include[0][:64]!r} is not supported: "
-                             "no extra output data is served")
+        for value in self.include or ():
+            if value != LOGPROBS:
+                raise FieldError("include", f"include {value[:64]!r} is not supported: only "
+                                 f"{LOGPROBS!r} is served")
         if self.background and not self.store:
             raise FieldError("store", "background responses must be stored: leave store "
                              "true, or background false")
@@ -260,6 +265,10 @@ class ResponsesRequest(StrictModel):
             raise FieldError("tool_choice", f"tool_choice names function {choice.name!r}, "
                              "which is not among the tools")
         return self
+
+    def logprobs(self) -> int | None:
+        """None: no logprobs asked for (`include`); N: each token's and N alternatives'."""
+        return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
         """The input as items: a string is one user message."""

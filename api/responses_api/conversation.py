@@ -76,7 +76,8 @@ def chat_body(body: ResponsesRequest, items: list[Item], stream: bool) -> ChatCo
         "top_p": body.top_p, "stream": stream, "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens, "user": body.user,
         "response_format": None if forced else body.text.format.as_chat(),
-        "tools": tools or None,
+        "tools": tools or None, "logprobs": body.logprobs() is not None,
+        "top_logprobs": body.logprobs(),
         "tool_choice": (None if not tools else choice if isinstance(choice, str)
                         else {"type": "function", "function": {"name": choice.name}}),
     }

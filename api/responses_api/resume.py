@@ -16,16 +16,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
 
 from api.context import AppContext
 from api.errors import APIError
-from api.replies.merge import close_all
-from api.replies.streamed import event_stream
+from api.render.responses import RESPONSE_PREFIX, ResponseMeta, ResponsesRenderer, unstored
+from api.render.stream import sse
 from api.responses_api import store
 from api.responses_api.body import ResponsesRequest
-from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
-from api.responses_api.reply import Reply, closing, numbered, unstored
 from api.resume import Replay, StreamView
 from api.routes import mark_resumed, owned_state, tenant_of
 from shared.messages import ResponsesStream
@@ -69,7 +66,5 @@ async def resume(ctx: AppContext, request: Request, response_id: str, after: int
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, spec.model, body)
     finished = (partial(store.save, ctx, tenant_of(request), state.items)
                 if body.store and not body.background else unstored)  # its task stores it
-    reply = Reply(choice, meta, spec.prompt_tokens, finished)
-    return event_stream(numbered(closing(reply.events(), [choice]), after),
-                        {"X-Request-Id": request_id}, BackgroundTask(close_all, [choice]),
-                        ctx.settings.sse_ping_s)
+    reply = ResponsesRenderer(choice, meta, spec.prompt_tokens, finished)
+    return sse(reply, {"X-Request-Id": request_id}, after, ctx.settings.sse_ping_s)

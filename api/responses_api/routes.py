@@ -12,20 +12,18 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
 
 from api.context import AppContext, ServedModel
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest
-from api.replies.collected import unless_disconnected
-from api.replies.merge import close_all
-from api.replies.streamed import event_stream
-from api.responses import json_response
+from api.render import collect
+from api.render.http import json_response
+from api.render.responses import RESPONSE_PREFIX, ResponseMeta, ResponsesRenderer, unstored
+from api.render.stream import sse
+from api.render.walk import close_all
 from api.responses_api import background, store
 from api.responses_api.body import ResponsesRequest
 from api.responses_api.conversation import chat_body, input_items, renamed
-from api.responses_api.render import RESPONSE_PREFIX, ResponseMeta
-from api.responses_api.reply import Reply, closing, numbered, unstored
 from api.responses_api.resume import resume, view_state
 from api.routes import app_context, served, tenant_of
 from api.serving import Prepared, prepare, start
@@ -54,18 +52,12 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     meta = ResponseMeta(RESPONSE_PREFIX + request_id, spec.created, model.name, body)
     save = store.finish_background if body.background else store.save
     finished = partial(save, ctx, tenant, items) if body.store else unstored
-    reply = Reply(started.choices[0], meta, spec.prompt_tokens, finished)
+    reply = ResponsesRenderer(started.choices[0], meta, spec.prompt_tokens, finished)
     if body.background:
         return await _in_background(ctx, request, reply, tenant, items, started.headers)
     if body.stream:
-        return event_stream(numbered(closing(reply.events(), started.choices), -1),
-                            started.headers, BackgroundTask(close_all, started.choices),
-                            ctx.settings.sse_ping_s)
-    try:
-        whole = await unless_disconnected(request, reply.whole())
-    finally:
-        await close_all(started.choices)
-    return json_response(whole or {}, headers=started.headers)
+        return sse(reply, started.headers, -1, ctx.settings.sse_ping_s)
+    return await collect.reply(request, reply, started.headers)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -119,7 +111,8 @@ async def list_input_items(
                           "has_more": len(items) > limit})
 
 
-async def _in_background(ctx: AppContext, request: Request, reply: Reply, tenant: str,
+async def _in_background(ctx: AppContext, request: Request, reply: ResponsesRenderer,
+                         tenant: str,
                          items: list[dict[str, Any]], headers: dict[str, str]) -> Response:
     """Store the response `queued`, then let it run without the client: answered at once,
     or (with `stream`) followed from its result stream, which a client may leave and resume
@@ -128,7 +121,7 @@ async def _in_background(ctx: AppContext, request: Request, reply: Reply, tenant
     try:
         await store.save(ctx, tenant, items, queued)
     except APIError:
-        await close_all([reply.choice])
+        await close_all(reply.choices)
         raise
     background.spawn(ctx.live, reply)
     if reply.meta.body.stream:

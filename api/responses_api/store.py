@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from api.context import AppContext
 from api.errors import APIError
-from api.responses_api.render import RESPONSE_PREFIX
+from api.render.responses import RESPONSE_PREFIX
 from shared.keys import is_request_id
 from shared.messages import StoredResponse, StoredResponseField
 

@@ -3,7 +3,7 @@ exactly one finish or error. Flat string fields, so `redis-cli XRANGE` reads the
 
 The feed carries every step's tokens as they come; the result stream is the record, written in
 chunks (worker/broker/record.py), so one entry there may hold many tokens. A reply is rendered one
-token at a time (`Tokens.split`, api/replies/merge.py), so it is the same from either.
+token at a time (`Tokens.split`, api/render/walk.py), so it is the same from either.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A reply is rendered in two places: by the replica that took the request (`api.serving.generate`)
 and, for a resumed stream, by whichever replica serves `GET /v1/requests/{id}/stream`
 (`api.serving.resume`), from the copy stored in the request's hash (`api.resume.StreamView`).
-The two must render the same events, so both build their choices, reply header and usage mode
-from one `ReplySpec` with the same functions, and the stored copy is that spec itself: a
-setting read from the body in one place cannot be forgotten, or passed in the wrong position,
-in the other.
+The two must render the same events, so both build their choices and their renderer
+(`api.render.formats`) from one `ReplySpec` with the same functions, and the stored copy is
+that spec itself: a setting read from the body in one place cannot be forgotten, or passed in
+the wrong position, in the other.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Literal
 
 from api.choices import Choice, ResultSource, StopStrings
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.responses import Kind, ReplyHeader
 from api.text import TextCodec
 from api.tools.parse import ToolCallParser
 
+# The wire format a `ReplySpec` renders: chat or completions (the Responses API is rendered from
+# a chat spec, with its own state beside it: `api.responses_api.resume`).
+Kind = Literal["chat", "text"]
 # Where a stream reports usage: nowhere, in one last chunk (`include_usage`), or also in every
 # chunk as it stands so far (vLLM's `continuous_usage_stats`, which load testers read).
 UsageMode = Literal["off", "final", "every"]
@@ -74,17 +76,12 @@ class ReplySpec:
             generation=source,
             decoder=codec.decoder(self.skip_special_tokens),
             stops=StopStrings(list(self.stops), self.include_stop) if self.stops else None,
-            chat=self.kind == "chat",
             codec=codec,
             prefix=self.prefixes[prompt_index],
             prompt_index=prompt_index,
             tools=(ToolCallParser(source.request_id, 1 if self.one_call else None)
                    if self.tools else None),
         )
-
-    @property
-    def header(self) -> ReplyHeader:
-        return ReplyHeader(self.kind, self.base_id, self.model, self.created)
 
     @property
     def usage_mode(self) -> UsageMode:

@@ -1,0 +1,56 @@
+"""Text completions (`text_completion`): the echoed prompt first (with `echo`), text as
+`text`, logprobs as parallel lists with each token's offset in the text. A completions body
+offers no tools, so no call ever reaches this renderer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.choices import Choice, TokenLogprob
+from api.render.chunks import ChoicesRenderer
+from api.render.renderer import Event
+from api.render.spec import ReplySpec
+from api.tools.parse import ParsedCall
+
+
+def text_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [dict(t.top) for t in items],
+        "text_offset": offsets,
+    }
+
+
+class CompletionsRenderer(ChoicesRenderer):
+    ID_PREFIX = "cmpl"
+    CHUNK = "text_completion"
+    WHOLE = "text_completion"
+
+    def __init__(self, choices: list[Choice], spec: ReplySpec) -> None:
+        super().__init__(choices, spec)
+        # Where each choice's next streamed text starts, its echoed prompt included.
+        self._offsets = {c.index: len(c.prefix) for c in choices}
+
+    def opening(self) -> list[Event]:
+        return [self._chunk(c.index, self._delta(c.prefix)) for c in self.choices if c.prefix]
+
+    def _delta(self, text: str | None, role: bool = False,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"text": text or ""}
+
+    def _chunk_logprobs(self, choice: Choice, text: str, items: list[TokenLogprob]
+                        ) -> dict[str, Any] | None:
+        offset = self._offsets[choice.index]
+        self._offsets[choice.index] += len(text)
+        return text_logprobs(items, offset) if items else None
+
+    def _whole_logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
+        return text_logprobs(items, len(choice.prefix))
+
+    def _whole_choice(self, text: str, calls: list[ParsedCall]) -> dict[str, Any]:
+        return {"text": text}

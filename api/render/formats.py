@@ -1,0 +1,22 @@
+"""Which renderer a chat or completions `ReplySpec` is rendered with: the live reply and its
+resumed stream pick it here alike (`api.serving`)."""
+
+from __future__ import annotations
+
+from api.choices import Choice
+from api.render.chat import ChatRenderer
+from api.render.chunks import ChoicesRenderer
+from api.render.completions import CompletionsRenderer
+from api.render.spec import Kind, ReplySpec
+
+RENDERERS: dict[Kind, type[ChoicesRenderer]] = {"chat": ChatRenderer,
+                                                "text": CompletionsRenderer}
+
+
+def renderer(choices: list[Choice], spec: ReplySpec) -> ChoicesRenderer:
+    return RENDERERS[spec.kind](choices, spec)
+
+
+def reply_id(spec: ReplySpec) -> str:
+    """The `id` of the reply's objects (`chatcmpl-…`, `cmpl-…`)."""
+    return f"{RENDERERS[spec.kind].ID_PREFIX}-{spec.base_id}"

@@ -1,1 +1,0 @@
-"""Replies: a request's choices merged into one SSE stream or one JSON object."""
