@@ -105,6 +105,12 @@ class PromptMessage(_Message):
 
 
 class AssistantMessage(_Message):
+    # The rule `_says_or_calls` keeps, in the published schema too: a client (or fuzzer) that
+    # writes bodies from /openapi.json then writes assistant turns this API takes.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
+                                                                   "minItems": 1}}}]})
     role: Literal["assistant"]
     content: Content | None = None  # none when the turn only called tools
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
