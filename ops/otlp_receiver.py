@@ -1,10 +1,11 @@
-"""An OTLP/HTTP trace receiver in this process, which keeps every span it is sent, decoded:
-what tests/test_tracing.py checks its traces against, and what the tracing benchmark
-(ops/benchmarks/tracing.py) counts. It answers each export at once, so an export costs what it
-costs against a collector that keeps up.
+"""OTLP trace receivers in this process, over HTTP/protobuf (`OTLPReceiver`) and gRPC
+(`OTLPGrpcReceiver`), which keep every span they are sent, decoded: what tests/test_tracing.py
+checks its traces against, and what the tracing benchmark (ops/benchmarks/tracing.py) counts.
+They answer each export at once, so an export costs what it costs against a collector that
+keeps up.
 
-It needs opentelemetry-proto (the tracing extra's OTLP exporter brings it), imported when a
-request arrives, so importing this module costs nothing without it.
+They need opentelemetry-proto (the tracing extra's OTLP exporters bring it; gRPC also grpcio),
+imported when one is used, so importing this module costs nothing without them.
 """
 
 from __future__ import annotations
@@ -42,58 +43,22 @@ def _attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: OTLPReceiver
-
-    def do_POST(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in request.resource_spans:
-            service = _attributes(resource_spans.resource.attributes).get("service.name", "")
-            self.server.add([
-                Received(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                         s.parent_span_id.hex(), s.kind, _attributes(s.attributes),
-                         [(link.trace_id.hex(), link.span_id.hex(),
-                           _attributes(link.attributes)) for link in s.links])
-                for scope in resource_spans.scope_spans for s in scope.spans])
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def _decoded(request: Any) -> list[Received]:
+    """The spans of an `ExportTraceServiceRequest`."""
+    return [Received(_attributes(rs.resource.attributes).get("service.name", ""), s.name,
+                     s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
+                     _attributes(s.attributes),
+                     [(link.trace_id.hex(), link.span_id.hex(), _attributes(link.attributes))
+                      for link in s.links])
+            for rs in request.resource_spans for scope in rs.scope_spans for s in scope.spans]
 
 
-class OTLPReceiver(ThreadingHTTPServer):
-    """Serves on a free local port from `start` to `stop`, on a thread of its own; `endpoint`
-    is what OTEL_EXPORTER_OTLP_ENDPOINT names."""
+class _Spans:
+    """What a receiver has been sent, kept across its threads."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", free_port()), _Handler)
         self._spans: list[Received] = []
         self._lock = threading.Lock()
-
-    def start(self) -> Self:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
     def add(self, spans: list[Received]) -> None:
         with self._lock:
@@ -107,3 +72,88 @@ class OTLPReceiver(ThreadingHTTPServer):
 
     def of(self, trace_id: str) -> list[Received]:
         return [s for s in self.spans if s.trace_id == trace_id]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: OTLPReceiver
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        self.server.add(_decoded(ExportTraceServiceRequest.FromString(body)))
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class OTLPReceiver(_Spans, ThreadingHTTPServer):
+    """OTLP/HTTP on a free local port from `start` to `stop`, on a thread of its own;
+    `endpoint` is what OTEL_EXPORTER_OTLP_ENDPOINT names."""
+
+    def __init__(self) -> None:
+        _Spans.__init__(self)
+        ThreadingHTTPServer.__init__(self, ("127.0.0.1", free_port()), _Handler)
+
+    def start(self) -> Self:
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class OTLPGrpcReceiver(_Spans):
+    """OTLP over gRPC on a free local port from `start` to `stop` (grpcio's own threads);
+    `endpoint` is what OTEL_EXPORTER_OTLP_ENDPOINT names, with
+    OTEL_EXPORTER_OTLP_PROTOCOL=grpc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.port = free_port()
+        self._server: Any = None
+
+    def start(self) -> Self:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as service
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceResponse,
+        )
+
+        receiver = self
+
+        class Servicer(service.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                receiver.add(_decoded(request))
+                return ExportTraceServiceResponse()
+
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        service.add_TraceServiceServicer_to_server(Servicer(), self._server)
+        self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -14,8 +14,8 @@ standard environment asks for it (`configure`): `OTEL_TRACES_EXPORTER` names an 
 the SDK), `tracer()` is None: callers test that once and make no span object, and nothing is
 added to what goes through Redis. On, the SDK reads the rest of the standard variables itself
 (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`,
-`OTEL_EXPORTER_OTLP_*`). Spans are exported in batches by a background thread (OTLP over
-HTTP/protobuf).
+`OTEL_EXPORTER_OTLP_*`). Spans are exported in batches by a background thread, over OTLP's
+HTTP/protobuf (the default) or gRPC, as `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` says.
 """
 
 from __future__ import annotations
@@ -81,9 +81,7 @@ def _exporters() -> list[Any]:
     exporters: list[Any] = []
     for name in names:
         if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporters.append(OTLPSpanExporter())
+            exporters += _otlp()
         elif name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -91,6 +89,32 @@ def _exporters() -> list[Any]:
         else:
             log.warning("OTEL_TRACES_EXPORTER: unknown exporter %r ignored (otlp, console)", name)
     return exporters
+
+
+def _otlp() -> list[Any]:
+    """The OTLP exporter for the protocol the standard variables name: none (with a warning)
+    for one the Python SDK has no exporter of, so a collector is never sent what it does not
+    speak."""
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+    protocol = protocol.strip().lower()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return [OTLPSpanExporter()]
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcSpanExporter,
+            )
+        except ImportError:
+            log.warning("OTLP over gRPC needs opentelemetry-exporter-otlp-proto-grpc (in "
+                        "pip install 'redserve[tracing]'): no spans are exported")
+            return []
+        return [GrpcSpanExporter()]
+    log.warning("OTEL_EXPORTER_OTLP_PROTOCOL %r is not served (http/protobuf, grpc): no spans "
+                "are exported", protocol)
+    return []
 
 
 def shutdown() -> None:

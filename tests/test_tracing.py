@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from ops.otlp_receiver import OTLPReceiver, Received
+from ops.otlp_receiver import OTLPGrpcReceiver, OTLPReceiver, Received
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 
@@ -182,3 +182,24 @@ def test_with_tracing_off_nothing_is_added_to_redis(
         assert b"state" in state and b"trace" not in state
     finally:
         stack.stop()
+
+
+def test_spans_go_over_grpc_when_the_protocol_says_so(redis_url: str, tiny_model: Path) -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=grpc (a collector's or Jaeger's 4317): the replica and the
+    worker export over gRPC, one trace still."""
+    receiver = OTLPGrpcReceiver().start()
+    stack = Stack(redis_url, tiny_model, served_name=MODEL, env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "100"}).start()
+    trace_id = secrets.token_hex(16)
+    try:
+        reply = httpx.post(f"{stack.base_url}/v1/chat/completions",
+                           json={**_body(3), "stream": False, "stream_options": None},
+                           timeout=30, headers={"traceparent": _traceparent(
+                               trace_id, secrets.token_hex(8))})
+        assert reply.status_code == 200, reply.text
+        assert eventually(lambda: {s.service for s in receiver.of(trace_id)}
+                          == {"redserve-api", "redserve-worker"}, 15), receiver.spans
+    finally:
+        stack.stop()
+        receiver.stop()
