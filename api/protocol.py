@@ -304,6 +304,15 @@ class ChatCompletionRequest(_Common):
         """Whether the model is offered the tools (`tool_choice` none hides them)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def forced_function(self) -> str | None:
+        """The one function a call must be, when the output is constrained to calls: the
+        named `tool_choice`, or `required` with a single tool."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        if self.tool_choice == "required" and self.tools and len(self.tools) == 1:
+            return self.tools[0].function.name
+        return None
+
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> Any:
         if self.top_logprobs is not None and not self.logprobs:

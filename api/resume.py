@@ -54,7 +54,8 @@ READ_COUNT = 64
 # predates it renders with: a key at that value is left out, so such a replica (a rolling
 # upgrade) still reads the views that do not use it. queue_deadline 0: not recorded.
 _LATER: dict[str, Any] = {"queue_deadline": 0.0, "continuous_usage": False, "tools": False,
-                          "one_call": False, "skip_special_tokens": True, "responses": None}
+                          "one_call": False, "skip_special_tokens": True, "responses": None,
+                          "forced_function": None}
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class StreamView:
                 "deadline": self.deadline, "queue_deadline": self.queue_deadline,
                 "continuous_usage": s.continuous_usage, "tools": s.tools,
                 "one_call": s.one_call, "skip_special_tokens": s.skip_special_tokens,
-                "responses": self.responses}
+                "responses": self.responses, "forced_function": s.forced_function}
         return orjson.dumps({k: v for k, v in data.items()
                              if k not in _LATER or v != _LATER[k]}).decode()
 
@@ -93,7 +94,8 @@ class StreamView:
             prefixes=(data["prefix"],), stops=tuple(data["stops"]),
             include_stop=data["include_stop"], include_usage=data["include_usage"],
             continuous_usage=data["continuous_usage"], tools=data["tools"],
-            one_call=data["one_call"], skip_special_tokens=data["skip_special_tokens"])
+            one_call=data["one_call"], skip_special_tokens=data["skip_special_tokens"],
+            forced_function=data["forced_function"])
         return cls(spec, data["deadline"], data["queue_deadline"], data["responses"])
 
 

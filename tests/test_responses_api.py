@@ -158,9 +158,10 @@ def test_function_call_and_its_output_fed_back(one: openai.OpenAI, two: openai.O
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
 
 
-def test_a_forced_call_cut_inside_its_name_shows_no_call_syntax(one: openai.OpenAI) -> None:
-    """max_output_tokens ends a forced call before its name is whole: no call can be named,
-    and its syntax is no text for the user; the response, and chat's reply, hold neither."""
+def test_a_forced_call_cut_inside_its_name_is_that_call(one: openai.OpenAI) -> None:
+    """max_output_tokens ends a forced call before its name is whole: the call can only be the
+    forced function's, and comes back as it with empty arguments (its syntax is no text for
+    the user); the response, and chat's reply, alike."""
     named: Any = {"type": "function", "name": "get_weather"}
     chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in (
         "name", "description", "parameters")}}
@@ -175,9 +176,12 @@ def test_a_forced_call_cut_inside_its_name_shows_no_call_syntax(one: openai.Open
     assert '"get_weather"' not in "".join(tokens[:cut])  # inside the name
     assert START.startswith("".join(tokens[:2])) and "".join(tokens[:2]) != START
     for most in (2, cut):  # inside the opening tag `<tool_call>`, inside the name
-        chat = one.chat.completions.create(**body, max_tokens=most).choices[0]
-        assert chat.finish_reason == "length" and not chat.message.tool_calls
-        assert not chat.message.content, chat.message.content
+        for choice in ("required", body["tool_choice"]):  # one tool: either forces it
+            chat = one.chat.completions.create(**{**body, "tool_choice": choice},
+                                               max_tokens=most).choices[0]
+            assert chat.finish_reason == "length" and not chat.message.content
+            [call] = chat.message.tool_calls or []
+            assert (call.function.name, call.function.arguments) == ("get_weather", "")
     for stream in (False, True):
         kwargs: Any = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
                            tool_choice=named, temperature=0, max_output_tokens=cut)
@@ -185,7 +189,8 @@ def test_a_forced_call_cut_inside_its_name_shows_no_call_syntax(one: openai.Open
         r = events[-1].response if stream else one.responses.create(**kwargs)
         assert r.status == "incomplete" and r.usage is not None
         assert r.usage.output_tokens == cut
-        assert not [i for i in r.output if i.type == "function_call"]
+        [call] = [i for i in r.output if i.type == "function_call"]
+        assert (call.name, call.arguments) == ("get_weather", "")
         assert r.output_text == "", r.output
 
 

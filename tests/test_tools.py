@@ -238,6 +238,27 @@ def test_a_call_cut_before_its_name_is_whole_is_neither_call_nor_content(
     assert content + rest == (text.partition("<")[0] if cut_short else text)
 
 
+@pytest.mark.parametrize("text", [
+    "<", "<tool_", "<tool_call>", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_we',
+    '<tool_call>\n[{"name": "get_', "<tool_call>" + " " * 100_000,
+])
+def test_a_forced_call_cut_before_its_name_is_whole_is_the_forced_function(text: str) -> None:
+    """When the request forced one function, a call max_tokens cut before its name was whole
+    can only be that function's: it comes back with empty arguments. Ended any other way, its
+    syntax is still content; beside a call already made, it adds none."""
+    parser = ToolCallParser("req", forced="get_time")
+    content, made = parser.feed(text)
+    rest, more = parser.flush(cut_short=True)
+    assert content + rest == "" and made == []
+    assert [(c.name, c.arguments) for c in more] == [("get_time", "")]
+    ended = ToolCallParser("req", forced="get_time")
+    assert ended.feed(text)[0] + ended.flush()[0] == text and ended.made == 0
+    after = ToolCallParser("req", forced="get_time")
+    content, made = after.feed('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+                               + text)
+    assert after.flush(cut_short=True) == ("", []) and len(made) == 1
+
+
 def test_history_with_arguments_nested_too_deep_is_served(client: openai.OpenAI) -> None:
     """A client's past call whose arguments nest past what Python's json decodes goes into
     the prompt as the text it is (not a server error)."""

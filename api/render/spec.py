@@ -41,6 +41,7 @@ class ReplySpec:
     continuous_usage: bool  # usage in every chunk (stream_options.continuous_usage_stats)
     tools: bool  # the model was offered tools: its calls are parsed out
     one_call: bool  # parallel_tool_calls false: only the first call is kept
+    forced_function: str | None  # the one function calls must be (`tool_choice`), if any
     skip_special_tokens: bool
 
     @classmethod
@@ -64,6 +65,7 @@ class ReplySpec:
             continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
             tools=chat is not None and chat.tools_in_use(),
             one_call=chat is not None and not chat.parallel_tool_calls,
+            forced_function=chat.forced_function() if chat is not None else None,
             skip_special_tokens=body.skip_special_tokens,
         )
 
@@ -79,7 +81,8 @@ class ReplySpec:
             codec=codec,
             prefix=self.prefixes[prompt_index],
             prompt_index=prompt_index,
-            tools=(ToolCallParser(source.request_id, 1 if self.one_call else None)
+            tools=(ToolCallParser(source.request_id, 1 if self.one_call else None,
+                                  self.forced_function)
                    if self.tools else None),
         )
 

@@ -7,10 +7,12 @@ closing tag arrives. What does not parse as a call stays content, as the model w
 a call that max_tokens cut short: once its name was whole, that is still the call the model was
 making (a forced call always is one), so it comes back as OpenAI returns one cut short, its
 arguments the JSON text written so far, beside finish_reason "length"; cut before its name was
-whole (or inside its opening tag), it is no call anyone can name, and no content either (the
-model was writing a call's syntax, not words for the user), so the reply holds neither, as a
-reply cut short before its first word. vLLM returns such text as content; OpenAI, whose calls
-are never text, never shows call syntax.
+whole (or inside its opening tag), it is no content (the model was writing a call's syntax,
+not words for the user), and a call only when the request forced one function (a named
+`tool_choice`, or `required` with one tool): then it can only be that function's, and it comes
+back with empty arguments, as OpenAI returns a forced call cut short; otherwise no call anyone
+can name, so the reply holds neither, as a reply cut short before its first word. vLLM returns
+such text as content; OpenAI, whose calls are never text, never shows call syntax.
 """
 
 from __future__ import annotations
@@ -127,8 +129,10 @@ def _cut_calls(body: str, ids: Iterator[str]) -> list[ParsedCall] | None:
 
 
 class ToolCallParser:
-    def __init__(self, request_id: str, most: int | None = None) -> None:
+    def __init__(self, request_id: str, most: int | None = None,
+                 forced: str | None = None) -> None:
         self.most = most  # calls kept (`parallel_tool_calls` false: 1); later ones are dropped
+        self.forced = forced  # the one function every call must be, when the request says
         # Call ids derive from the request's, so a resumed stream names its calls the same.
         digest = hashlib.sha256(request_id.encode()).hexdigest()[:20]
         self._ids = (f"call_{digest}_{n}" for n in itertools.count())
@@ -172,7 +176,9 @@ class ToolCallParser:
         and nothing before (nor is the start of a tag the cut left unfinished)."""
         buf, self.pending = self.pending, ""
         if not self.in_call:  # `buf`: what could begin a tag, which a cut never finished
-            return self._content(["" if cut_short else buf]), []
+            if cut_short and buf:
+                return "", self._unnamed()
+            return self._content([buf]), []
         self.in_call = False
         parsed = _calls(buf, self._ids)
         if parsed is not None:
@@ -184,7 +190,14 @@ class ToolCallParser:
         cut = _cut_calls(buf, self._ids)
         if cut is not None:
             return "", self._kept(cut)
-        return ("", []) if _begun(buf) else (START + buf, [])
+        return ("", self._unnamed()) if _begun(buf) else (START + buf, [])
+
+    def _unnamed(self) -> list[ParsedCall]:
+        """A call cut short before its name was whole: the forced function's, if one was
+        forced and it is the reply's first call; else none."""
+        if self.forced is None or self.made:
+            return []
+        return self._kept([ParsedCall(next(self._ids), self.forced, "")])
 
     def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         if self.most is not None:
