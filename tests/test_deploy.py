@@ -80,10 +80,11 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
         assert "models:/cache" in svc["volumes"]
         assert int(svc["environment"]["REDSERVE_DRAIN_GRACE_S"]) == DRAIN_GRACE_S
         assert _seconds(svc["stop_grace_period"]) > DRAIN_GRACE_S
-        # Traces only when an endpoint is named; Jaeger's OTLP/HTTP port when it is.
-        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == (
-            "${OTEL_EXPORTER_OTLP_ENDPOINT:-}")
-    assert services["jaeger"]["expose"] == ["4318"]
+        # Traces only when an endpoint is named, over the protocol named (HTTP by default);
+        # Jaeger's OTLP ports, gRPC and HTTP, when they are.
+        for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            assert svc["environment"][variable] == f"${{{variable}:-}}"
+    assert services["jaeger"]["expose"] == ["4317", "4318"]
     for name in ("redis", "api", "nginx", "worker", "worker-gpu", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     gpu = services["worker-gpu"]
