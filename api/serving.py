@@ -103,7 +103,7 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
     (SSE or JSON)."""
     endpoint: Endpoint = "chat" if kind == "chat" else "completions"
     started = await start(ctx, request, prepared, kind, tenant, endpoint, echoes)
-    rendering = renderer(started.choices, started.spec)
+    rendering = renderer(started.choices, started.spec, whole=not prepared.body.stream)
     if prepared.body.stream:
         return sse(rendering, started.headers, 0, ctx.settings.sse_ping_s)
     return await collect.reply(request, rendering, started.headers)
@@ -216,5 +216,5 @@ def resume(ctx: AppContext, model: ServedModel, request_id: str, view: StreamVie
     are sent."""
     spec = view.spec
     choice = spec.choice(Replay(ctx, request_id, view), model.codec)
-    return sse(renderer([choice], spec), {"X-Request-Id": spec.base_id}, after,
+    return sse(renderer([choice], spec, whole=False), {"X-Request-Id": spec.base_id}, after,
                ctx.settings.sse_ping_s)

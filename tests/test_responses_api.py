@@ -331,6 +331,12 @@ def test_output_text_logprobs_are_chats_items(one: openai.OpenAI, two: openai.Op
     stored = two.responses.retrieve(whole.id).output[0]
     assert stored.type == "message" and stored.content[0].type == "output_text"
     same(stored.content[0].logprobs or [])
+    # A follow-up's history holds the earlier text, not its logprobs.
+    follow = two.responses.create(model=MODEL, input="And?", max_output_tokens=2,
+                                  previous_response_id=whole.id)
+    earlier: Any = two.responses.input_items.list(follow.id, order="asc").data[1]
+    assert earlier.content[0].text == message.content[0].text
+    assert earlier.content[0].logprobs == []
 
     events: list[Any] = list(one.responses.create(**asked, include=[LOGPROBS], stream=True))
     deltas = [e for e in events if e.type == "response.output_text.delta"]

@@ -238,6 +238,16 @@ def test_a_call_cut_before_its_name_is_whole_is_neither_call_nor_content(
     assert content + rest == (text.partition("<")[0] if cut_short else text)
 
 
+@pytest.mark.parametrize("cut_short", [True, False])
+def test_a_lone_angle_bracket_after_words_stays_text(cut_short: bool) -> None:
+    """A reply cut right after a `<` that follows words ("if a <") keeps it: more likely text
+    than a tag begun (a longer start of the tag, `<tool`, is syntax and dropped)."""
+    parser = ToolCallParser("req")
+    content, made = parser.feed("if a <")
+    rest, more = parser.flush(cut_short)
+    assert content + rest == "if a <" and made == more == []
+
+
 @pytest.mark.parametrize("text", [
     "<", "<tool_", "<tool_call>", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_we',
     '<tool_call>\n[{"name": "get_', "<tool_call>" + " " * 100_000,

@@ -39,12 +39,16 @@ class ChoicesRenderer(ABC):
     WHOLE: ClassVar[str]  # the `object` of a whole reply
     first_number = 1
 
-    def __init__(self, choices: list[Choice], spec: ReplySpec) -> None:
+    def __init__(self, choices: list[Choice], spec: ReplySpec, whole: bool) -> None:
         self._choices = choices
         self.spec = spec
+        # A JSON reply keeps each choice's output for `whole`; a stream sends it and keeps
+        # none (a long stream with logprobs would hold them all until it ended).
+        self._whole = whole
         self._texts: dict[int, list[str]] = {c.index: [c.prefix] for c in choices}
         self._logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in choices}
         self._calls: dict[int, list[ParsedCall]] = {c.index: [] for c in choices}
+        self._called = {c.index: 0 for c in choices}  # calls sent so far, for their index
 
     @property
     def choices(self) -> list[Choice]:
@@ -75,15 +79,18 @@ class ChoicesRenderer(ABC):
     # The Renderer.
 
     def text(self, choice: Choice, text: str, logprobs: list[TokenLogprob]) -> list[Event]:
-        self._texts[choice.index].append(text)
-        self._logprobs[choice.index] += logprobs
+        if self._whole:
+            self._texts[choice.index].append(text)
+            self._logprobs[choice.index] += logprobs
         return [self._chunk(choice.index, self._delta(text),
                             self._chunk_logprobs(choice, text, logprobs))]
 
     def calls(self, choice: Choice, calls: list[ParsedCall]) -> list[Event]:
         # Each call whole in one delta, numbered across the choice's calls.
-        first = len(self._calls[choice.index])
-        self._calls[choice.index] += calls
+        first = self._called[choice.index]
+        self._called[choice.index] += len(calls)
+        if self._whole:
+            self._calls[choice.index] += calls
         return [self._chunk(choice.index, self._delta(None, tool_calls=[
             call.as_openai(first + k) for k, call in enumerate(calls)]))]
 
@@ -99,6 +106,7 @@ class ChoicesRenderer(ABC):
         return [error_body(error.message, error.type, None, error.code), "[DONE]"]
 
     async def whole(self) -> dict[str, Any]:
+        assert self._whole, "a streamed reply kept none of its output"
         out = []
         for index, c in enumerate(self._choices):
             items = self._logprobs[c.index]

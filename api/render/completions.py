@@ -31,8 +31,8 @@ class CompletionsRenderer(ChoicesRenderer):
     CHUNK = "text_completion"
     WHOLE = "text_completion"
 
-    def __init__(self, choices: list[Choice], spec: ReplySpec) -> None:
-        super().__init__(choices, spec)
+    def __init__(self, choices: list[Choice], spec: ReplySpec, whole: bool) -> None:
+        super().__init__(choices, spec, whole)
         # Where each choice's next streamed text starts, its echoed prompt included.
         self._offsets = {c.index: len(c.prefix) for c in choices}
 

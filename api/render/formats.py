@@ -13,8 +13,9 @@ RENDERERS: dict[Kind, type[ChoicesRenderer]] = {"chat": ChatRenderer,
                                                 "text": CompletionsRenderer}
 
 
-def renderer(choices: list[Choice], spec: ReplySpec) -> ChoicesRenderer:
-    return RENDERERS[spec.kind](choices, spec)
+def renderer(choices: list[Choice], spec: ReplySpec, whole: bool) -> ChoicesRenderer:
+    """`whole`: the reply is one JSON object (a stream keeps none of its output)."""
+    return RENDERERS[spec.kind](choices, spec, whole)
 
 
 def reply_id(spec: ReplySpec) -> str:

@@ -46,8 +46,8 @@ Event = Text | Calls | End | Failure
 
 async def walk(choices: list[Choice]) -> AsyncIterator[Event]:
     """Every choice's events until each has ended, or the first failure. A choice ended by a
-    stop string closes its generation ("stop", telling the worker to stop now) before its
-    `End`; the worker's late entries for it are moot."""
+    stop string closes its generation ("stop", telling the worker to stop now) once its `End`
+    is handled; the worker's late entries for it are moot."""
     running = len(choices)
     async with aclosing(entries(choices)) as arriving:
         async for choice, entry in arriving:
@@ -66,9 +66,9 @@ async def walk(choices: list[Choice]) -> AsyncIterator[Event]:
             if calls:
                 yield Calls(choice, calls)
             if choice.finish_reason is not None:
+                yield End(choice, choice.finish_reason)  # sent before the abort's round trip
                 if isinstance(entry, Tokens):
                     await choice.generation.close("stop")
-                yield End(choice, choice.finish_reason)
                 running -= 1
                 if not running:
                     return

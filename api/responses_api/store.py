@@ -33,8 +33,17 @@ class Stored:
     input_items: list[dict[str, Any]]
 
     def conversation(self) -> list[dict[str, Any]]:
-        """What a follow-up continues: this response's input, then its output."""
-        return [*self.input_items, *self.response["output"]]
+        """What a follow-up continues: this response's input, then its output, less the
+        output text's logprobs (history has no use for them, and each follow-up stores its
+        whole history again: with `top_logprobs` they would be most of it)."""
+        return [*self.input_items, *map(_without_logprobs, self.response["output"])]
+
+
+def _without_logprobs(item: dict[str, Any]) -> dict[str, Any]:
+    if item.get("type") != "message":
+        return item
+    return {**item, "content": [{**part, "logprobs": []} if "logprobs" in part else part
+                                for part in item.get("content", ())]}
 
 
 def request_id_of(response_id: str) -> str | None:

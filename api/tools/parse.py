@@ -139,6 +139,7 @@ class ToolCallParser:
         self.pending = ""
         self.in_call = False
         self.made = 0  # calls released so far
+        self._said = False  # whether content other than whitespace was released
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Content safe to show now, and the calls completed by this text."""
@@ -176,7 +177,8 @@ class ToolCallParser:
         and nothing before (nor is the start of a tag the cut left unfinished)."""
         buf, self.pending = self.pending, ""
         if not self.in_call:  # `buf`: what could begin a tag, which a cut never finished
-            if cut_short and buf:
+            # A lone `<` after words is more likely text ("if a <") than a tag begun.
+            if cut_short and buf and (buf != "<" or not self._said or self.forced):
                 return "", self._unnamed()
             return self._content([buf]), []
         self.in_call = False
@@ -207,5 +209,6 @@ class ToolCallParser:
 
     def _content(self, parts: list[str]) -> str:
         text = "".join(parts)
+        self._said = self._said or bool(text.strip())
         # Between and after calls the model puts newlines: not content worth a delta.
         return "" if self.made and not text.strip() else text

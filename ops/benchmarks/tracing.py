@@ -105,7 +105,7 @@ def main() -> None:
         # later change too, not tracing alone), not lose to it by more than the noise.
         verdict = "no cost" if off >= baseline * (1 - noise) else "SLOWER beyond the noise"
         console.print(f"tracing off against before tracing: {off:.1f} vs {baseline:.1f} "
-                      f"tokens/s, {off / baseline:.3f}x; the rounds' spread is ±{noise:.1%}: "
+                      f"tokens/s, {off / baseline:.3f}x; the rounds' range is {noise:.1%}: "
                       f"{verdict}")
 
 
