@@ -27,6 +27,7 @@ MODEL = "fuzz-llama"
 KEY = "sk-fuzz-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 400  # per generation mode, spread over every operation (the Responses routes too)
+FOCUSED_EXAMPLES = 100  # of one generation operation alone, if the shared run served none
 # Greedy with one token far ahead of the rest: its text does not hang on float near-ties of
 # the random model, which another batch composition can flip; so any difference is damage.
 ORDINARY = {"model": MODEL, "prompt": [11, 22, 33], "max_tokens": 40, "ignore_eos": True,
@@ -145,4 +146,31 @@ def test_no_input_gets_a_server_error(fuzz_stack: Stack, bystanders: Bystanders,
     for path in ("/v1/chat/completions", "/v1/completions"):
         assert any(k.startswith(f"POST {path} 4") for k in seen), seen
         if mode == GenerationMode.POSITIVE:
-            assert any(k == f"POST {path} 200" for k in seen), seen
+            served = any(k == f"POST {path} 200" for k in seen)
+            assert served or _serves_some(fuzz_stack, operations, f"POST {path}"), seen
+
+
+def _serves_some(stack: Stack, operations: list[Any], label: str) -> bool:
+    """Whether valid bodies of one generation operation, its model named right, get a 200.
+    Spread over every operation, the shared run gives each path some 60 cases, of which many
+    are the tiny model's 64-token context overflowing: whether one of them is served is luck
+    (two runs of three here gave none on one path). A run of this operation alone is not."""
+    [operation] = [op for op in operations if op.label == label]
+    statuses: list[int] = []
+
+    @settings(max_examples=FOCUSED_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(GenerationMode.POSITIVE))
+    def focused(case: Any) -> None:
+        if 200 in statuses or not isinstance(case.body, dict):
+            return
+        case.body["model"] = MODEL
+        case.body.pop("max_tokens", None)
+        case.body.pop("max_completion_tokens", None)
+        response = case.call(base_url=stack.base_url, headers=AUTH, timeout=60)
+        assert response.status_code < 500, (label, case.body, response.text[:500])
+        statuses.append(response.status_code)
+
+    focused()
+    print(label, "alone:", sorted(statuses))
+    return 200 in statuses
