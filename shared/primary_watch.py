@@ -14,7 +14,12 @@ So each process that connects through the Sentinels runs one `PrimaryWatch`: eve
 it asks each of them where the primary is, and once the newest answer changes it
 closes every connection of its pools to any other server, in use or not: a command waiting on
 one fails at once with a connection error, as if the server had closed it, and the caller's
-own retry reconnects, to the new primary. `failovers` counts the changes seen, so the parts
+own retry reconnects, to the new primary. A new connection goes where redis-py's discovery
+says (the first Sentinel to answer), except to a primary the watch has seen replaced: a
+Sentinel that has not yet heard of the failover, and has not yet marked the old primary down
+(its own timers lag on a loaded machine), still names it, and a frozen server's kernel still
+accepts the connection, whose first command then waits out the socket timeout
+(`superseded`). `failovers` counts the changes seen, so the parts
 that must check what a failover may have lost (the result reader, the worker's publisher, a
 request waiting in the queue) can tell one happened even where no command of theirs failed.
 The cost is one Sentinel command per `EVERY_S` per process, on a Sentinel's connection.
@@ -49,6 +54,7 @@ class PrimaryWatch:
         self.drops: list[Callable[[Address], Awaitable[None]]] = []
         self.primary: Address | None = None
         self.failovers = 0
+        self._replaced: set[Address] = set()  # earlier primaries, until one is primary again
         self._epoch = 0  # the Sentinels' configuration epoch of `primary`
         self._task: asyncio.Task[None] | None = None
 
@@ -94,6 +100,11 @@ class PrimaryWatch:
                 best = (str(state["ip"]), int(state["port"])), epoch
         return best
 
+    def superseded(self, address: Address) -> Address | None:
+        """The primary to connect to instead of `address`, if the watch has seen `address`
+        replaced (never when the watch is merely behind: then it has not)."""
+        return self.primary if address in self._replaced else None
+
     async def seen(self, address: Address, epoch: int) -> None:
         """The Sentinels name `address` as the primary in configuration `epoch`; an older
         epoch than one seen already is a Sentinel lagging behind, and changes nothing."""
@@ -105,6 +116,8 @@ class PrimaryWatch:
             return
         log.warning("the Sentinels name a new primary %s:%d (was %s:%d): dropping the "
                     "connections to the old one", *address, *self.primary)
+        self._replaced.add(self.primary)
+        self._replaced.discard(address)
         self.primary, self._epoch = address, epoch
         self.failovers += 1
         for drop in self.drops:

@@ -159,9 +159,18 @@ class _BoundedSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPo
     watch: PrimaryWatch | None = None
 
     async def get_master_address(self) -> Any:
-        if self.watch is not None:
-            self.watch.ensure_running()
-        return await super().get_master_address()
+        """Where a new connection goes: the primary the Sentinels name (redis-py's discovery),
+        unless the watch has seen it replaced; idle connections elsewhere are closed, as
+        redis-py's own pool does."""
+        if self.watch is None:
+            return await super().get_master_address()
+        self.watch.ensure_running()
+        found = await self.sentinel_manager.discover_master(self.service_name)
+        address = self.watch.superseded((str(found[0]), int(found[1]))) or found
+        if self.master_address != address:
+            self.master_address = address
+            await self.disconnect(inuse_connections=False)
+        return address
 
     async def drop_others(self, primary: Address) -> None:
         """Close every connection, idle or in use, to a server other than `primary`: a
