@@ -9,14 +9,15 @@ import logging
 
 from fastapi import FastAPI
 
-from api import errors, routes, status, tokenization
 from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
-from api.context import AppContext
+from api.endpoints import chat, completions, requests, status, tokenize
+from api.endpoints.responses import routes as responses_routes
 from api.lifespan import SHUTDOWN_ERROR, Lifespan
-from api.metrics import APIMetrics, CountResponses
-from api.responses_api import routes as responses_routes
-from api.trace import RouteNamedSpans
+from api.protocol import errors
+from api.queue.context import AppContext
+from api.queue.metrics import APIMetrics, CountResponses
+from api.queue.trace import RouteNamedSpans
 from shared import tracing
 from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies, tenant_policies
@@ -60,8 +61,10 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
     """The error handlers, the routes, and the middleware around them."""
     errors.install(app)
     app.include_router(status.router)
-    app.include_router(routes.router)
-    app.include_router(tokenization.router)
+    app.include_router(requests.router)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(tokenize.router)
     app.include_router(responses_routes.router)
     app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
@@ -74,7 +77,7 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
 def trace_requests(app: FastAPI) -> None:
     """Outermost of all when tracing is on (shared/tracing.py): one server span per HTTP
     request, a child of the client's `traceparent` if it sent one, covering a stream to its
-    end, named by its route once routed (`api.trace.RouteNamedSpans`). No span per ASGI
+    end, named by its route once routed (`api.queue.trace.RouteNamedSpans`). No span per ASGI
     message (one per SSE event would be its cost), none for the probes and the metrics
     scrape."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware

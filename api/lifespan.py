@@ -2,7 +2,7 @@
 
 Start-up loads the served models' tokenizers, wires the parts every route uses into one
 `AppContext` on one Redis connection, then starts what runs beside the requests: the result
-reader (which waits for Redis if it does not answer yet: api/reader.py), then, once Redis
+reader (which waits for Redis if it does not answer yet: api/queue/reader.py), then, once Redis
 answers, the placement refresher and the watch of the workers' liveness. Shut-down ends the
 requests still open past the drain (`api.app.drain`), then stops reading and disconnects;
 streams waiting out their resume grace run on, only their pending cancellation goes. What does
@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from api.admission import Admission, QueueLimits, Replication
-from api.context import AppContext, Live, ServedModel
-from api.limits.reservation import RateLimits
-from api.metrics import APIMetrics, QueueDepths
-from api.placement import Placement
-from api.reader import ResultReader
-from api.text import TextCodec
-from api.worker_watch import WorkerWatch
+from api.protocol.served_model import ServedModel
+from api.protocol.text import TextCodec
+from api.queue.admission import Admission, QueueLimits, Replication
+from api.queue.context import AppContext, Live
+from api.queue.limits.reservation import RateLimits
+from api.queue.metrics import APIMetrics, QueueDepths
+from api.queue.placement import Placement
+from api.queue.reader import ResultReader
+from api.queue.worker_watch import WorkerWatch
 from shared.keys import Keys, new_replica_tag
 from shared.messages import Error
 from shared.models import parse_specs, resolve_models

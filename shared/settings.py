@@ -142,7 +142,7 @@ class ApiSettings(Settings):
     # An open SSE stream gets a keep-alive comment (`: ping`) this often, so that proxies do
     # not cut a stream that waits (for a worker, a long prefill) as idle.
     sse_ping_s: float = Field(default=15.0, gt=0)
-    # Which worker an API replica places a request on (api/placement.py): `prefix`, the live
+    # Which worker an API replica places a request on (api/queue/placement.py): `prefix`, the live
     # worker holding the longest cached prefix of its prompt (else the least loaded); `random`,
     # any live worker at random (the benchmark's baseline); `none`, whichever takes it first.
     placement: Literal["prefix", "random", "none"] = "prefix"

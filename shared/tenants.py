@@ -2,7 +2,7 @@
 
 One policy file (`REDSERVE_TENANTS_FILE`, TOML) names the tenants that differ from the default;
 every other tenant gets the default from settings. The API replicas enforce the rate limits
-(`api/limits/`) and carry the weight into each request's queue entry, so workers need no copy
+(`api/queue/limits/`) and carry the weight into each request's queue entry, so workers need no copy
 of this file: a tenant's policy changes with a rolling restart of the replicas alone.
 
     [tenants.acme]                # a tenant of the API keys (see api/auth/keys.py)

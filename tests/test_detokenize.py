@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from api.text import IncrementalDecoder
+from api.protocol.text import IncrementalDecoder
 from shared.models import ModelInfo
 
 TEXTS = [

@@ -18,7 +18,7 @@ import pytest_asyncio
 import redis
 import redis.asyncio as aioredis
 
-from api.admission import Admission, QueueLimits
+from api.queue.admission import Admission, QueueLimits
 from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import (
     GenerateRequest,

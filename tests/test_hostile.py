@@ -23,7 +23,7 @@ import orjson
 import pytest
 import redis
 
-from api.reader import ResultReader
+from api.queue.reader import ResultReader
 from shared.keys import Keys
 from shared.messages import Finish, Tokens
 from shared.redis_conn import connect

@@ -44,10 +44,12 @@ def test_the_contracts_hold_on_the_code() -> None:
     ("worker/engine/chunk.py", "import shared.redis_conn", "shared.redis_conn -> redis"),
     ("worker/engine/sampler.py", "import worker.broker.record",
      "worker.engine.sampler -> worker.broker.record"),
-    ("worker/broker/record.py", "import api.errors", "worker.broker.record -> api.errors"),
-    ("api/text.py", "import worker.engine.chunk", "api.text -> worker.engine.chunk"),
-    ("shared/latency.py", "import api.errors", "shared.latency -> api.errors"),
-    ("api/text.py", "import ops.console", "api.text -> ops.console"),
+    ("worker/broker/record.py", "import api.protocol.errors",
+     "worker.broker.record -> api.protocol.errors"),
+    ("api/protocol/text.py", "import worker.engine.chunk",
+     "api.protocol.text -> worker.engine.chunk"),
+    ("shared/latency.py", "import api.protocol.errors", "shared.latency -> api.protocol.errors"),
+    ("api/protocol/text.py", "import ops.console", "api.protocol.text -> ops.console"),
 ])
 def test_a_wrong_import_breaks_a_contract(tree: Path, module: str, wrong: str,
                                           named: str) -> None:

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import redis
 
-from api.worker_watch import REFRESH_S
+from api.queue.worker_watch import REFRESH_S
 from ops.embedded_redis import free_port
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Finish, Tokens

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from api.admission import Admission, QueueLimits
-from api.limits.replies import duration
-from api.limits.reservation import RateLimits
+from api.queue.admission import Admission, QueueLimits
+from api.queue.limits.replies import duration
+from api.queue.limits.reservation import RateLimits
 from shared.keys import Keys, new_request_id
 from shared.messages import Bucket, BucketField, GenerateRequest, SamplingParams
 from shared.tenants import TenantPolicy

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from api.subscription import Subscription
+from api.queue.subscription import Subscription
 from shared.messages import Error, Finish, Tokens, expand
 
 

@@ -25,8 +25,8 @@ import httpx
 import orjson
 import redis
 
-from api.reader import ResultReader
-from api.subscription import Subscription
+from api.queue.reader import ResultReader
+from api.queue.subscription import Subscription
 from shared.keys import WORKER_GROUP, Keys, new_replica_tag, new_request_id
 from shared.messages import (
     Error,

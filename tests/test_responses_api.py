@@ -17,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from api.tools.syntax import START
+from api.protocol.tools.syntax import START
 from tests.responses_stack import MODEL, client, two_replicas
 from tests.stack import Stack
 

@@ -25,8 +25,8 @@ import pytest
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
-from api.protocol import ChatCompletionRequest
-from api.structured.grammar import requested
+from api.protocol.bodies import ChatCompletionRequest
+from api.protocol.structured_output import requested
 from shared import grammar
 from tests.stack import Stack
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from api.tools.parse import ToolCallParser
+from api.protocol.tools.parse import ToolCallParser
 from shared.models import ModelInfo
 
 pytestmark = pytest.mark.smollm2

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from api.context import ServedModel
-from api.errors import APIError
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.text import TextCodec
+from api.protocol.bodies import ChatCompletionRequest, CompletionRequest
+from api.protocol.errors import APIError
+from api.protocol.served_model import ServedModel
+from api.protocol.text import TextCodec
 from shared.models import ModelInfo
 
 CONTEXT = 32

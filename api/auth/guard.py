@@ -30,7 +30,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth.keys import APIKeys
-from api.errors import error_body
+from api.protocol.errors import error_body
 
 GUARDED = "/v1/"
 # Routes outside /v1/ that take a body and spend the replica's time on it: vLLM serves its

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.choices import Choice, TokenLogprob
+from api.protocol.tools.parse import ParsedCall
+from api.render.choices import Choice, TokenLogprob
 from api.render.chunks import ChoicesRenderer
 from api.render.renderer import Event
-from api.tools.parse import ParsedCall
 
 
 def logprob_item(t: TokenLogprob) -> dict[str, Any]:

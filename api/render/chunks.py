@@ -12,11 +12,11 @@ from typing import Any, ClassVar
 import orjson
 from sse_starlette import ServerSentEvent
 
-from api.choices import Choice, TokenLogprob
-from api.errors import error_body
+from api.protocol.errors import error_body
+from api.protocol.reply_spec import ReplySpec
+from api.protocol.tools.parse import ParsedCall
+from api.render.choices import Choice, TokenLogprob
 from api.render.renderer import Event
-from api.render.spec import ReplySpec
-from api.tools.parse import ParsedCall
 from shared.messages import Error
 
 SYSTEM_FINGERPRINT = "redserve"

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
-from api.errors import APIError
-from api.render.http import json_response
+from api.protocol.errors import APIError
+from api.protocol.http import json_response
 from api.render.renderer import Renderer
 from api.render.walk import Calls, End, Text, close_all, walk
 from shared.messages import Error

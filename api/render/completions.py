@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.choices import Choice, TokenLogprob
+from api.protocol.reply_spec import ReplySpec
+from api.protocol.tools.parse import ParsedCall
+from api.render.choices import Choice, TokenLogprob
 from api.render.chunks import ChoicesRenderer
 from api.render.renderer import Event
-from api.render.spec import ReplySpec
-from api.tools.parse import ParsedCall
 
 
 def text_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:

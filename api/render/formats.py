@@ -1,13 +1,13 @@
 """Which renderer a chat or completions `ReplySpec` is rendered with: the live reply and its
-resumed stream pick it here alike (`api.serving`)."""
+resumed stream pick it here alike (`api.endpoints.serving`)."""
 
 from __future__ import annotations
 
-from api.choices import Choice
+from api.protocol.reply_spec import Kind, ReplySpec
 from api.render.chat import ChatRenderer
+from api.render.choices import Choice
 from api.render.chunks import ChoicesRenderer
 from api.render.completions import CompletionsRenderer
-from api.render.spec import Kind, ReplySpec
 
 RENDERERS: dict[Kind, type[ChoicesRenderer]] = {"chat": ChatRenderer,
                                                 "text": CompletionsRenderer}

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from sse_starlette import ServerSentEvent
 
-from api.choices import Choice, TokenLogprob
-from api.tools.parse import ParsedCall
+from api.protocol.tools.parse import ParsedCall
+from api.render.choices import Choice, TokenLogprob
 from shared.messages import Error
 
 # A stream event before numbering: a JSON object, or a bare data line (chat's `[DONE]`).

@@ -17,13 +17,13 @@ from typing import Any
 import orjson
 from sse_starlette import ServerSentEvent
 
-from api.choices import Choice, TokenLogprob
-from api.errors import APIError
+from api.protocol.errors import APIError
+from api.protocol.responses_body import ResponsesRequest
+from api.protocol.tools.parse import ParsedCall
 from api.render.chat import logprob_item
+from api.render.choices import Choice, TokenLogprob
 from api.render.renderer import Event
 from api.render.responses_output import Output
-from api.responses_api.body import ResponsesRequest
-from api.tools.parse import ParsedCall
 from shared.messages import Error
 
 RESPONSE_PREFIX = "resp_"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.tools.parse import ParsedCall
+from api.protocol.tools.parse import ParsedCall
 
 Event = dict[str, Any]
 

@@ -1,7 +1,7 @@
 """The streaming driver: any renderer over the walk, as server-sent events. Each event is
 numbered (from the renderer's `first_number`), so a client that lost the connection can resume
-after the last one it saw (`api.resume`, `api.responses_api.resume`): the events are a pure
-function of the entries, so a replay numbers them alike and leaves out those up to `after`.
+after the last one it saw (`api.queue.replay`, `api.endpoints.responses.resume`): the events are a
+pure function of the entries, so a replay numbers them alike and leaves out those up to `after`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from api.choices import Choice, TokenLogprob
-from api.tools.parse import ParsedCall
+from api.protocol.tools.parse import ParsedCall
+from api.render.choices import Choice, TokenLogprob
 from shared.messages import Error, Finish, Tokens
 
 
@@ -79,7 +79,7 @@ async def walk(choices: list[Choice]) -> AsyncIterator[Event]:
 async def entries(choices: list[Choice]) -> AsyncGenerator[tuple[Choice, Any]]:
     """Every choice's result entries as they arrive, interleaved, one token an entry: a reply
     is then the same whether its tokens came one a step from the feed or in chunks from the
-    record (a client that fell behind, a resumed stream: api/resume.py), its SSE events and
+    record (a client that fell behind, a resumed stream: api/queue/replay.py), its SSE events and
     where a stop string cuts it alike."""
     async for choice, entry in _interleaved(choices):
         for part in entry.split() if isinstance(entry, Tokens) else (entry,):

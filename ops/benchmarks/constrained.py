@@ -39,7 +39,7 @@ from transformers import AutoTokenizer
 
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from shared import grammar
+from shared import request_grammar as grammar
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, WorkerSettings

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from shared.messages.heartbeat import Heartbeat, KernelSet
 from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
-from shared.messages.placement import PrefixSummary
+from shared.messages.prefix_summary import PrefixSummary
 from shared.messages.queue import QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
 from shared.messages.responses import ResponsesStream, StoredResponse, StoredResponseField

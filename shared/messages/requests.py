@@ -46,7 +46,7 @@ class GenerateRequest(BaseModel):
     queue_deadline: float  # unix time after which, if no worker took it, it ends untouched
     deadline: float  # unix time after which the request ends with an error entry
     tenant: str = ""  # the caller's tenant (see api.auth.keys): only it may cancel or resume
-    # The output's grammar (`shared.grammar`), when constrained: JSON schema, regex, choice,
+    # The output's grammar (`shared.request_grammar`), when constrained: JSON schema, regex, choice,
     # Lark grammar or tool calls, compiled by the replica into llguidance's grammar format.
     grammar: str | None = None
     trace_id: str = ""
@@ -55,8 +55,8 @@ class GenerateRequest(BaseModel):
     # when None, so tracing off adds nothing to the stream.
     traceparent: str | None = Field(default=None, exclude_if=lambda v: v is None,
                                     max_length=55)
-    # Scheduling (see api/admission.py and worker/broker/intake.py): vLLM's `priority` (lower runs
-    # first), the tenant's fair-share weight (shared/tenants.py), and the worker placement
+    # Scheduling (see api/queue/admission.py and worker/broker/intake.py): vLLM's `priority` (lower
+    # runs first), the tenant's fair-share weight (shared/tenants.py), and the worker placement
     # chose because it holds the prompt's prefix ("" = any worker).
     priority: int = 0
     weight: float = Field(default=1.0, gt=0)

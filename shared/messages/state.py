@@ -36,7 +36,7 @@ class RequestField(StrEnum):
     REPLICA = "replica"  # the accepting replica's tag
     CHOICES = "choices"  # choices of its reply: `<id>`, `<id>-1` .. `<id>-<n-1>`
     STREAMING = "streaming"  # 1: answered with SSE, 0: one JSON reply
-    STREAM = "stream"  # a resumable stream's rendering state (JSON, `api.resume.StreamView`)
+    STREAM = "stream"  # a resumable stream's rendering state (JSON, `api.queue.replay.StreamView`)
     WORKER = "worker"  # the worker running it (from `running` on)
     DETACHED = "detached"  # unix time its stream's client left under the resume grace
     COMPLETION_TOKENS = "completion_tokens"  # once finished

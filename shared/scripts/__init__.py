@@ -6,9 +6,10 @@ script (an API replica) leaves exactly what the take script (a worker) reads. On
 script, each holding its Lua, a frozen dataclass for its KEYS and one for its ARGV, and the
 parser of its reply into a typed result; callers build and read only those types:
 
-- `admit`: check a tenant's rate limits, queue a request, charge the limits (api/admission.py);
+- `admit`: check a tenant's rate limits, queue a request, charge the limits
+(api/queue/admission.py);
 - `limits`: the rate limits' sections of `admit`, and the settle script
-  (api/limits/reservation.py);
+  (api/queue/limits/reservation.py);
 - `take`: a worker with room chooses queued requests and claims them (worker/broker/take.py);
 - `terminal`: a retried terminal entry, added only if its stream has none
   (worker/broker/publisher.py);

@@ -21,7 +21,7 @@ time spent idle banks no credit.
 The tenant's rate limits run in the same script (`shared.scripts.limits`): checked before the
 queue, charged only when the queue admits the request. The sections are kept apart: the
 limits' check, then the queue's (a function returning its status), then the charge.
-api/admission.py builds the arguments and words the refusals.
+api/queue/admission.py builds the arguments and words the refusals.
 """
 
 from __future__ import annotations

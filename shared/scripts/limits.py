@@ -15,7 +15,7 @@ levels in the last five places of its reply (`BucketLevels`). The admission scri
 construction checks each name they use.
 
 A reply's token cost is reserved whole at admission and settled when it ends
-(api/limits/reservation.py): `SETTLE` gives back what it did not use, capped at the limit,
+(api/queue/limits/reservation.py): `SETTLE` gives back what it did not use, capped at the limit,
 onto a bucket refilled to now.
 """
 

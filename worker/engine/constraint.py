@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from shared import grammar
+from shared import request_grammar as grammar
 
 PRISTINE_CACHE = 64  # compiled grammars kept to copy from (n choices share one)
 

@@ -1,0 +1,75 @@
+"""What every endpoint reads from its request: the replica's `AppContext`, the model a body
+names, the caller's tenant, and a request's stored state when a caller names one by id (only
+its tenant may see it). The endpoints share these here, so none imports another."""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+import redis.asyncio as aioredis
+from fastapi import Request
+
+from api.protocol.errors import APIError
+from api.protocol.served_model import ServedModel
+from api.queue.context import AppContext
+from shared.keys import is_request_id
+from shared.messages import RequestHash
+
+log = logging.getLogger("redserve.api")
+
+
+def app_context(request: Request) -> AppContext:
+    ctx: AppContext = request.app.state.ctx
+    return ctx
+
+
+async def owned_state(ctx: AppContext, request_id: str, request: Request) -> RequestHash:
+    """The request's hash, if the caller's tenant owns it; another tenant's request looks
+    exactly like a missing one."""
+    missing = APIError(404, f"no request {request_id[:64]!r}", param="request_id",
+                       code="not_found")
+    if not is_request_id(request_id):
+        raise missing
+    state_key = ctx.keys.state(request_id)
+    try:
+        state = cast(dict[bytes, bytes], await ctx.clients.commands.hgetall(state_key))
+    except aioredis.RedisError as e:
+        raise state_unavailable(e) from e
+    try:
+        record = RequestHash.decode(state)
+    except ValueError:  # none (expired), or not what redserve writes
+        raise missing from None
+    if record.tenant != tenant_of(request):
+        raise missing
+    return record
+
+
+def state_unavailable(e: Exception) -> APIError:
+    log.warning("request state unavailable: %s", e)
+    return APIError(503, "request state is unavailable; retry shortly", type="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "1"})
+
+
+def served(ctx: AppContext, name: str) -> ServedModel:
+    model = ctx.models.get(name)
+    if model is None:
+        served = ", ".join(f"'{n}'" for n in ctx.models)
+        raise APIError(404, f"The model '{name[:200]}' does not exist; this server serves "
+                       f"{served}.", param="model", code="model_not_found")
+    return model
+
+
+def tenant_of(request: Request) -> str:
+    """Set by `api.auth.guard` for every /v1/ route."""
+    tenant: str = request.state.tenant
+    return tenant
+
+
+async def mark_resumed(ctx: AppContext, request_id: str) -> None:
+    """Tells the replica that served the first stream not to cancel it after its grace."""
+    try:
+        await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
+                                       ex=ctx.settings.request_ttl_s)
+    except aioredis.RedisError as e:
+        raise state_unavailable(e) from e

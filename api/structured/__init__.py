@@ -1,1 +1,0 @@
-"""Constrained outputs: what a request asks its output to follow, as one grammar."""
