@@ -26,4 +26,4 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echoes = [model.codec.decode(p) if not isinstance(raw, str) else raw
               for raw, p in zip(body.prompts(), prompts, strict=True)] if body.echo else None
     prepared = await prepare(model, body, prompts)
-    return await generate(ctx, request, prepared, "text", tenant_of(request), echoes)
+    return await generate(ctx, request, prepared, "completions", tenant_of(request), echoes)

@@ -108,7 +108,7 @@ async def generate(ctx: AppContext, request: Request, prepared: Prepared, kind: 
                    tenant: str, echoes: list[str] | None = None) -> Response:
     """Queue one request per choice and answer with their merged chat or completions reply
     (SSE or JSON)."""
-    endpoint: Endpoint = "chat" if kind == "chat" else "completions"
+    endpoint: Endpoint = kind
     started = await start(ctx, request, prepared, kind, tenant, endpoint, echoes)
     rendering = renderer(started.choices, started.spec, whole=not prepared.body.stream)
     if prepared.body.stream:

@@ -18,7 +18,7 @@ from api.protocol.bodies import ChatCompletionRequest, CompletionRequest
 
 # The wire format a `ReplySpec` renders: chat or completions (the Responses API is rendered from
 # a chat spec, with its own state beside it: `api.endpoints.responses.resume`).
-Kind = Literal["chat", "text"]
+Kind = Literal["chat", "completions"]
 # Where a stream reports usage: nowhere, in one last chunk (`include_usage`), or also in every
 # chunk as it stands so far (vLLM's `continuous_usage_stats`, which load testers read).
 UsageMode = Literal["off", "final", "every"]

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from api.protocol.reply_spec import ReplySpec
+from api.protocol.reply_spec import Kind, ReplySpec
 from api.queue.context import AppContext
 from api.queue.metrics import abort_cause
 from shared.aborts import stage_aborts
@@ -57,6 +57,12 @@ _LATER: dict[str, Any] = {"queue_deadline": 0.0, "continuous_usage": False, "too
                           "one_call": False, "skip_special_tokens": True, "responses": None,
                           "forced_function": None}
 
+# The kind as stored: a completions reply was kind "text" before it was named for its endpoint,
+# and is still stored so, so that a replica of an older version can resume a stream this one
+# wrote; "completions" is read too, should a later version store it.
+_STORED_KIND: dict[Kind, str] = {"chat": "chat", "completions": "text"}
+_KIND: dict[str, Kind] = {"chat": "chat", "text": "completions", "completions": "completions"}
+
 
 @dataclass(frozen=True)
 class StreamView:
@@ -73,9 +79,9 @@ class StreamView:
 
     def to_json(self) -> str:
         s = self.spec
-        data = {"kind": s.kind, "base_id": s.base_id, "model": s.model, "created": s.created,
-                "prompt_tokens": s.prompt_tokens, "prefix": s.prefixes[0], "stops": s.stops,
-                "include_stop": s.include_stop, "include_usage": s.include_usage,
+        data = {"kind": _STORED_KIND[s.kind], "base_id": s.base_id, "model": s.model,
+                "created": s.created, "prompt_tokens": s.prompt_tokens, "prefix": s.prefixes[0],
+                "stops": s.stops, "include_stop": s.include_stop, "include_usage": s.include_usage,
                 "deadline": self.deadline, "queue_deadline": self.queue_deadline,
                 "continuous_usage": s.continuous_usage, "tools": s.tools,
                 "one_call": s.one_call, "skip_special_tokens": s.skip_special_tokens,
@@ -89,7 +95,7 @@ class StreamView:
         # beats failing the resume.
         data = {**_LATER, **orjson.loads(raw)}
         spec = ReplySpec(
-            kind=data["kind"], base_id=data["base_id"], model=data["model"],
+            kind=_KIND[data["kind"]], base_id=data["base_id"], model=data["model"],
             created=data["created"], prompt_tokens=data["prompt_tokens"],
             prefixes=(data["prefix"],), stops=tuple(data["stops"]),
             include_stop=data["include_stop"], include_usage=data["include_usage"],

@@ -5,12 +5,10 @@ first, text as `delta.content`, tool calls as `delta.tool_calls`, logprobs as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from api.protocol.tools.parse import ParsedCall
 from api.render.choices import Choice, TokenLogprob
-from api.render.chunks import ChoicesRenderer
-from api.render.renderer import Event
 
 
 def logprob_item(t: TokenLogprob) -> dict[str, Any]:
@@ -20,33 +18,38 @@ def logprob_item(t: TokenLogprob) -> dict[str, Any]:
                              for token, lp in t.top]}
 
 
-class ChatRenderer(ChoicesRenderer):
-    ID_PREFIX = "chatcmpl"
-    CHUNK = "chat.completion.chunk"
-    WHOLE = "chat.completion"
+class ChatShape:
+    """Chat's `ChoiceShape` (`api.render.chunks`)."""
 
-    def opening(self) -> list[Event]:
-        return [self._chunk(c.index, self._delta("", role=True)) for c in self.choices]
+    ID_PREFIX: ClassVar[str] = "chatcmpl"
+    CHUNK: ClassVar[str] = "chat.completion.chunk"
+    WHOLE: ClassVar[str] = "chat.completion"
 
-    def _delta(self, text: str | None, role: bool = False,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def __init__(self, choices: list[Choice]) -> None:
+        self._choices = choices
+
+    def opening(self) -> list[tuple[int, dict[str, Any]]]:
+        # A role chunk per choice first.
+        return [(c.index, {"delta": {"role": "assistant", "content": ""}})
+                for c in self._choices]
+
+    def delta(self, text: str | None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return {"delta": delta}
 
-    def _chunk_logprobs(self, choice: Choice, text: str, items: list[TokenLogprob]
-                        ) -> dict[str, Any] | None:
-        return self._whole_logprobs(choice, items) if items else None
+    def chunk_logprobs(self, choice: Choice, text: str, items: list[TokenLogprob]
+                       ) -> dict[str, Any] | None:
+        return self.whole_logprobs(choice, items) if items else None
 
-    def _whole_logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
+    def whole_logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
         return {"content": [logprob_item(t) for t in items]}
 
-    def _whole_choice(self, text: str, calls: list[ParsedCall]) -> dict[str, Any]:
+    def whole_choice(self, text: str, calls: list[ParsedCall]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             # As OpenAI answers: no content beside the calls unless the model wrote some.

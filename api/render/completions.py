@@ -4,13 +4,10 @@ offers no tools, so no call ever reaches this renderer."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from api.protocol.reply_spec import ReplySpec
 from api.protocol.tools.parse import ParsedCall
 from api.render.choices import Choice, TokenLogprob
-from api.render.chunks import ChoicesRenderer
-from api.render.renderer import Event
 
 
 def text_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -26,31 +23,34 @@ def text_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
     }
 
 
-class CompletionsRenderer(ChoicesRenderer):
-    ID_PREFIX = "cmpl"
-    CHUNK = "text_completion"
-    WHOLE = "text_completion"
+class CompletionsShape:
+    """Text completions' `ChoiceShape` (`api.render.chunks`)."""
 
-    def __init__(self, choices: list[Choice], spec: ReplySpec, whole: bool) -> None:
-        super().__init__(choices, spec, whole)
+    ID_PREFIX: ClassVar[str] = "cmpl"
+    CHUNK: ClassVar[str] = "text_completion"
+    WHOLE: ClassVar[str] = "text_completion"
+
+    def __init__(self, choices: list[Choice]) -> None:
+        self._choices = choices
         # Where each choice's next streamed text starts, its echoed prompt included.
         self._offsets = {c.index: len(c.prefix) for c in choices}
 
-    def opening(self) -> list[Event]:
-        return [self._chunk(c.index, self._delta(c.prefix)) for c in self.choices if c.prefix]
+    def opening(self) -> list[tuple[int, dict[str, Any]]]:
+        # The echoed prompt, if any.
+        return [(c.index, self.delta(c.prefix)) for c in self._choices if c.prefix]
 
-    def _delta(self, text: str | None, role: bool = False,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def delta(self, text: str | None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"text": text or ""}
 
-    def _chunk_logprobs(self, choice: Choice, text: str, items: list[TokenLogprob]
-                        ) -> dict[str, Any] | None:
+    def chunk_logprobs(self, choice: Choice, text: str, items: list[TokenLogprob]
+                       ) -> dict[str, Any] | None:
         offset = self._offsets[choice.index]
         self._offsets[choice.index] += len(text)
         return text_logprobs(items, offset) if items else None
 
-    def _whole_logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
+    def whole_logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
         return text_logprobs(items, len(choice.prefix))
 
-    def _whole_choice(self, text: str, calls: list[ParsedCall]) -> dict[str, Any]:
+    def whole_choice(self, text: str, calls: list[ParsedCall]) -> dict[str, Any]:
         return {"text": text}

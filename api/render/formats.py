@@ -1,23 +1,24 @@
-"""Which renderer a chat or completions `ReplySpec` is rendered with: the live reply and its
-resumed stream pick it here alike (`api.endpoints.serving`)."""
+"""Which renderer a chat or completions `ReplySpec` is rendered with: the chunks driver
+(`api.render.chunks`) with the format's shapes (`api.render.chat`, `api.render.completions`).
+The live reply and its resumed stream pick it here alike (`api.endpoints.serving`)."""
 
 from __future__ import annotations
 
 from api.protocol.reply_spec import Kind, ReplySpec
-from api.render.chat import ChatRenderer
+from api.render.chat import ChatShape
 from api.render.choices import Choice
 from api.render.chunks import ChoicesRenderer
-from api.render.completions import CompletionsRenderer
+from api.render.completions import CompletionsShape
 
-RENDERERS: dict[Kind, type[ChoicesRenderer]] = {"chat": ChatRenderer,
-                                                "text": CompletionsRenderer}
+SHAPES: dict[Kind, type[ChatShape] | type[CompletionsShape]] = {
+    "chat": ChatShape, "completions": CompletionsShape}
 
 
 def renderer(choices: list[Choice], spec: ReplySpec, whole: bool) -> ChoicesRenderer:
     """`whole`: the reply is one JSON object (a stream keeps none of its output)."""
-    return RENDERERS[spec.kind](choices, spec, whole)
+    return ChoicesRenderer(choices, spec, whole, SHAPES[spec.kind](choices))
 
 
 def reply_id(spec: ReplySpec) -> str:
     """The `id` of the reply's objects (`chatcmpl-…`, `cmpl-…`)."""
-    return f"{RENDERERS[spec.kind].ID_PREFIX}-{spec.base_id}"
+    return f"{SHAPES[spec.kind].ID_PREFIX}-{spec.base_id}"
