@@ -5,9 +5,8 @@ A reply is rendered in two places: by the replica that took the request
 /v1/requests/{id}/stream` (`api.endpoints.serving.resume`), from the copy stored in the request's
 hash (`api.queue.replay.StreamView`). The two must render the same events, so both build their
 choices (`api.render.choices.reply_choice`) and their renderer (`api.render.formats`) from one
-`ReplySpec` with the same functions, and
-the stored copy is that spec itself: a setting read from the body in one place cannot be forgotten,
-or passed in the wrong position, in the other.
+`ReplySpec` with the same functions, and the stored copy is that spec itself: a setting read
+from the body in one place cannot be forgotten, or passed in the wrong position, in the other.
 """
 
 from __future__ import annotations
