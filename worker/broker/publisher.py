@@ -243,8 +243,8 @@ class Publisher:
             pipe.expire(out_key, finished_ttl)
             pipe.hset(state_key, mapping=ending.state)  # type: ignore[arg-type]
             pipe.expire(state_key, finished_ttl)
-            # An abort key (if set) expires with them; after the hash's EXPIRE, so one set
-            # meanwhile with the hash's TTL (shared/scripts/abort.py) gets this one too.
+            # An abort key (if set) expires with them. After the hash's EXPIRE: an abort set
+            # from then on takes the hash's remaining TTL (shared/scripts/abort.py).
             pipe.expire(self.keys.abort(ending.request_id), finished_ttl)
         self._stage_feeds(pipe, [*staged.live, *((e.request_id, e.live.to_fields())
                                                 for e in staged.endings)])
