@@ -81,7 +81,8 @@ class Lifespan:
                               on_slow_client(live, metrics, settings))
         placement = Placement(clients.commands, keys, list(models), settings.placement,
                               metrics, remember_s=settings.heartbeat_ttl_s)
-        workers = WorkerWatch(clients.commands, keys, list(models), settings.heartbeat_ttl_s)
+        workers = WorkerWatch(clients.commands, keys, list(models), settings.heartbeat_ttl_s,
+                              starting_s=settings.queue_timeout_s)
         return AppContext(settings, keys, models, clients, reader,
                           queue_admission(clients, keys, settings), metrics, replica, self.policies,
                           RateLimits(clients.commands, keys), placement, workers, live)

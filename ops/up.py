@@ -11,6 +11,7 @@ it), and the children are told to log as `up` was.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -80,7 +81,7 @@ def run_up(args: argparse.Namespace) -> int:
         env["REDIS_URL"] = embedded.start()
         log.info("embedded Valkey at %s", env["REDIS_URL"])
     else:
-        _say_if_redis_is_down(settings.redis_url)
+        _say_if_redis_is_down(settings.redis_url, settings.redis_cluster)
     ports = [settings.port + i for i in range(args.replicas)]
     children = _up_children(args, infos, host, ports, settings)
 
@@ -152,19 +153,26 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
         *logs, *access)) for port in ports]
 
 
-def _say_if_redis_is_down(url: str) -> None:
+def _say_if_redis_is_down(url: str, cluster: bool) -> None:
     """One line if the external Redis does not answer yet: nothing stops for it, the replicas
-    and workers wait for it (and `ready` waits for them)."""
+    and workers wait for it (and `ready` waits for them). Asked as they ask it (a Sentinel URL
+    through its Sentinels, a Cluster as one)."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    from shared.redis_conn import connect
+
+    async def ping() -> None:
+        clients = connect(url, name="redserve-up", max_connections=1, cluster=cluster)
+        try:
+            await clients.commands.ping()
+        finally:
+            await clients.close()
+
     try:
-        client.ping()
+        asyncio.run(ping())
     except redis.RedisError as e:
         log.warning("Redis at %s does not answer yet (%s); the replicas and workers wait for "
                     "it", public(url), e)
-    finally:
-        client.close()
 
 
 def _replica_ready(base_url: str, models: list[str]) -> bool:

@@ -10,6 +10,7 @@ by the Sentinels), the primary SIGSTOPped past `down-after-milliseconds` and res
 must not go on accepting: the Sentinels demote it as it wakes), and the primary frozen for the
 whole load (a partition: its connections answer nothing; the processes close them once the
 Sentinels name the new primary, shared/primary_watch.py).
+First, `redserve up` given only that URL serves (on the lab, before the deployment starts).
 Replica 0 waits for a Redis replica to hold each admission
 (`REDSERVE_ADMISSION_WAIT_REPLICAS=1`, a pipeline of the script and WAIT, reloaded by NOSCRIPT
 on the new primary like any script); replica 1 does not. Streams start staggered over the
@@ -21,6 +22,10 @@ between two events of a stream) are printed with -s; ops/benchmarks/failover.py 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from ops.embedded_redis import free_port
 from ops.failover_lab import FailoverLab, LabConfig
 from tests.disturbed_load import body, load, summary
-from tests.stack import Stack, eventually, inspect, inspect_json, sync_client
+from tests.stack import Stack, child_env, eventually, inspect, inspect_json, sync_client
 
 MODEL = "tiny-llama"
 DOWN_AFTER_MS = 1000
@@ -57,8 +63,50 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model: Path) -> Iterator[Deployment]:
+def lab() -> Iterator[FailoverLab]:
     lab = FailoverLab(LabConfig(down_after_ms=DOWN_AFTER_MS)).start()
+    yield lab
+    lab.stop()
+
+
+def test_up_given_a_sentinel_url_serves_and_is_quiet_while_its_worker_starts(
+    lab: FailoverLab, tiny_model: Path
+) -> None:
+    """`redserve up` with only the redis+sentinel:// URL: it asks the Sentinels (no traceback
+    from a parser of plain URLs), becomes ready, and answers the official client. Its API
+    replica is up seconds before its worker: no "no live worker" warning for that."""
+    port = free_port()
+    env = child_env(lab.url, f"rstest-up-{port}")
+    log = Path(tempfile.mkstemp(prefix="redserve-up-", suffix=".log")[1])
+    with log.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
+                               "--model", str(tiny_model), "--served-model-name", MODEL],
+                              env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert eventually(lambda: "ready: http" in log.read_text() or up.poll() is not None,
+                          120), log.read_text()
+        assert up.poll() is None, log.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        said = log.read_text()
+        assert "Traceback" not in said and "does not answer" not in said, said
+        assert "no live worker" not in said, said
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            code = up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            code = up.wait()
+        log.unlink(missing_ok=True)
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def deployment(lab: FailoverLab, tiny_model: Path) -> Iterator[Deployment]:
     stack = Stack(lab.url, tiny_model, served_name=MODEL, workers=2, replicas=1, env={
         "REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_DTYPE": "float32",
         "REDSERVE_KERNELS": "torch", "REDSERVE_MAX_RUNNING": "16"})
@@ -81,7 +129,6 @@ def deployment(tiny_model: Path) -> Iterator[Deployment]:
         yield Deployment(lab, stack, undisturbed, duration)
     finally:
         stack.stop()
-        lab.stop()
 
 
 def _unfinished(deployment: Deployment) -> str:

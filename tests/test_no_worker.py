@@ -11,9 +11,12 @@ The request deadline stays at its default (600 s), so only `no_worker` can end t
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,9 @@ import openai
 import orjson
 import pytest
 import redis
+import redis.asyncio as aioredis
 
+from api.worker_watch import WorkerWatch
 from shared.keys import Keys
 from shared.messages import RequestField
 from tests.stack import Stack, eventually
@@ -144,3 +149,40 @@ def test_a_queued_request_with_no_worker_ends_with_no_worker(
     # Any worker that comes later drops it: its abort key is set, its queue place freed.
     assert aborts() == before + 1
     assert sync_redis.zcard(keys.queued(MODEL)) == 0
+
+
+async def test_a_model_is_warned_of_at_once_when_its_worker_is_lost_and_once_it_cannot_be_starting(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replica's watch, in process against the real Redis: a model whose workers are
+    still starting (none seen live yet) is not warned of while the queue deadline since the
+    replica's start has not passed, though its requests' wait counts all the same; a model
+    whose live worker this replica saw is warned of as soon as it goes."""
+    keys = Keys(f"rstest-watch-{uuid.uuid4().hex[:8]}")
+    r = aioredis.Redis.from_url(redis_url)
+    starting_s = 0.5
+    watch = WorkerWatch(r, keys, ["starting", "lost"], HEARTBEAT_TTL_S, starting_s=starting_s)
+    caplog.set_level(logging.INFO, logger="redserve.api.workers")
+
+    def said() -> list[str]:
+        return [m.getMessage() for m in caplog.records]
+
+    try:
+        await r.zadd(keys.workers("lost"), {"w": time.time() + 60})
+        await watch.refresh()
+        assert said() == [] and watch.gone_since("lost") is None
+        assert watch.gone_since("starting") is not None  # no_worker still counts from here
+        await r.zadd(keys.workers("lost"), {"w": time.time() - 1})  # its heartbeat expired
+        await watch.refresh()
+        assert [m.split(" (")[0] for m in said()] == ["model lost has no live worker"]
+        await asyncio.sleep(starting_s)  # the window under test
+        await watch.refresh()
+        await watch.refresh()  # once, not at every refresh
+        assert [m.split(" (")[0] for m in said()] == ["model lost has no live worker",
+                                                     "model starting has no live worker"]
+        await r.zadd(keys.workers("lost"), {"w": time.time() + 60})
+        await watch.refresh()
+        assert said()[-1] == "model lost has a live worker again"
+    finally:
+        await r.delete(keys.workers("lost"))
+        await r.aclose()

@@ -16,6 +16,12 @@ request's wait is counted from there, not from when its heartbeat expired, so th
 gone for good ends its requests within the queue deadline of its death. A set that is gone (no
 worker since its TTL passed, or ever) counts from when this replica first saw it so. A failed
 read keeps the last view: Redis's own outage is the result reader's to report.
+
+A model with no live worker is logged as a warning at once when this replica saw one of its
+workers live and lost it. One it has not seen a live worker of yet (its workers are still
+starting, as under `redserve up` or in a fresh deployment) is warned about only once the queue
+deadline has passed since the replica started: the first moment its requests can end with
+`no_worker` for want of one.
 """
 
 from __future__ import annotations
@@ -41,8 +47,13 @@ class WorkerWatch:
     keys: Keys
     models: Sequence[str]
     heartbeat_ttl_s: float
+    # How long after this replica's start a model it has seen no live worker of is quiet.
+    starting_s: float = 0.0
     # model -> unix time since which it has had no live worker; absent while it has one.
     _gone_since: dict[str, float] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)  # models it has seen a live worker of
+    _warned: set[str] = field(default_factory=set)  # models it warned of, not live since
+    _started: float = field(default_factory=time.time)
 
     async def run(self) -> None:
         """Refresh the view until cancelled."""
@@ -64,12 +75,18 @@ class WorkerWatch:
         for model, found in zip(self.models, newest, strict=True):
             expiry = float(found[0][1]) if found else None
             if expiry is not None and expiry > now:
-                if self._gone_since.pop(model, None) is not None:
+                self._seen.add(model)
+                self._gone_since.pop(model, None)
+                if model in self._warned:
+                    self._warned.discard(model)
                     log.info("model %s has a live worker again", model)
                 continue
             if model not in self._gone_since:
                 since = expiry - self.heartbeat_ttl_s if expiry is not None else now
                 self._gone_since[model] = since
+            if model not in self._warned and (
+                    model in self._seen or now - self._started >= self.starting_s):
+                self._warned.add(model)
                 log.warning("model %s has no live worker (its requests end with no_worker "
                             "unless one takes them within the queue deadline)", model)
 

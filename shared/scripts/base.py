@@ -160,6 +160,13 @@ class Script(Generic[KeysT, ArgsT, ReplyT]):
     def bind(self, redis: aioredis.Redis) -> Bound[KeysT, ArgsT, ReplyT]:
         return Bound(self, redis)
 
+    def stage(self, pipe: Pipeline, keys: KeysT, args: ArgsT) -> None:
+        """The script queued on `pipe` as EVAL, its text sent each time: nothing to load
+        first, so it runs in a Cluster's pipeline too (for a short script); its raw reply,
+        in `execute`'s, is for `parse`."""
+        names = self.keys(keys)
+        pipe.eval(self.lua, len(names), *names, *self.args(args))
+
 
 class Bound(Generic[KeysT, ArgsT, ReplyT]):
     """A script registered with a client (EVALSHA, loaded again if the server lost it)."""
