@@ -2,7 +2,7 @@
 
     python -m ops.benchmarks.failover [--down-after-ms 1000] [--calls 2000]
 
-On a loopback Valkey primary, one replica and three Sentinels (`ops/failover_lab.py`):
+On a loopback Valkey primary, one replica and three Sentinels (`ops/testkit/failover_lab.py`):
 
 1. **WAIT's cost.** `--calls` admissions-sized writes (a Lua script that XADDs a 2 KB body and
    sets a hash, as the admission script roughly does) run one at a time, alone and then in one
@@ -27,7 +27,7 @@ import time
 from rich.table import Table
 
 from ops.console import make_console
-from ops.failover_lab import FailoverLab, LabConfig
+from ops.testkit.failover_lab import FailoverLab, LabConfig
 from shared.redis_conn import connect
 
 LUA = "redis.call('XADD', KEYS[1], '*', 'body', ARGV[1]); " \

@@ -42,7 +42,7 @@ from rich.table import Table
 from ops.benchmarks.machine import describe
 from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.testkit.probe import wait_healthy
 from shared.keys import Keys
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from ops.console import make_console
 from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.testkit.probe import wait_healthy
 from shared.keys import Keys
 from shared.messages import Finish, decode_result, is_terminal
 from shared.models import resolve_model
