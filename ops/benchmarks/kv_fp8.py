@@ -24,9 +24,7 @@ each configuration built as the worker builds it (`ModelRunner`):
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,16 +33,16 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ops.benchmarks import drift
+from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.benchmarks.quantization import QUESTIONS
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import KVCacheDtype, KVPool
+from worker.engine.engine import Engine
+from worker.engine.kv_cache import KVCacheDtype
 from worker.engine.model_runner import ModelRunner
-from worker.engine.threads import ThreadPolicy, usable_cpus
+from worker.engine.threads import usable_cpus
 
 PROMPTS = [*QUESTIONS, "What does a load balancer do?", "Describe the water cycle briefly.",
            "Write a limerick about a cat.", "What are the benefits of unit tests?"]
@@ -109,53 +107,10 @@ def quality_table(path: Path, tokens: int) -> Table:
 def _engine(path: Path, config: Config, batch: int, context: int, steps: int,
             threads: int) -> Engine:
     """An engine holding `batch` requests of `context` random prompt tokens, not yet run."""
-    runner = _runner(path, config)
-    page = config.page_size
-    length = context + steps + page  # the warm-up steps and the timed ones, and a spare page
-    engine = Engine(runner, KVPool(runner.kv_shape, batch * -(-length // page), page),
-                    EngineConfig(max_running=batch, max_step_tokens=512, max_model_len=length,
-                                 page_size=page, prefix_caching=False,
-                                 threads=ThreadPolicy(threads, pinned=True)),
-                    eos_token_ids=())
-    rng = random.Random(batch * context)
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
-        engine.add(GenerateRequest(id=f"k-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
-                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+    engine = harness.around(_runner(path, config), batch, context + steps, config.page_size,
+                            threads)
+    harness.add_random(engine, batch, context, seed=batch * context)
     return engine
-
-
-def _prefilling(engine: Engine) -> bool:
-    scheduler = engine.scheduler
-    return bool(scheduler.waiting) or any(s.num_computed < len(s.tokens) - 1
-                                          for s in scheduler.running.values())
-
-
-def _timed_step(engine: Engine) -> float:
-    t0 = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - t0
-
-
-def _step_times(engines: list[Engine], steps: int, rounds: int) -> list[list[list[float]]]:
-    """Per engine, per round, the decode step times (s). Engines take turns step by step, in
-    an order that rotates every round."""
-    while any(_prefilling(e) for e in engines):
-        for engine in engines:
-            if _prefilling(engine):
-                engine.step()
-    for _ in range(3):  # oneDNN builds its kernels for a new batch shape on first use
-        for engine in engines:
-            engine.step()
-    times: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in engines]
-    n = len(engines)
-    for r in range(rounds):
-        order = [(i + r) % n for i in range(n)]
-        for _ in range(steps):
-            for i in order:
-                times[i][r].append(_timed_step(engines[i]))
-    return times
 
 
 def speed_table(path: Path, batches: list[int], contexts: list[int], steps: int, rounds: int,
@@ -169,7 +124,7 @@ def speed_table(path: Path, batches: list[int], contexts: list[int], steps: int,
         for batch in batches:
             engines = [_engine(path, c, batch, context, steps * rounds, threads)
                        for c in SPEED_CONFIGS]
-            times = _step_times(engines, steps, rounds)
+            _, times = harness.take_turns(engines, steps, rounds)
             medians = [statistics.median(t for r in per for t in r) * 1e3 for per in times]
             ref = medians[SPEED_CONFIGS.index(BF16)]
             for config, engine, per, ms in zip(SPEED_CONFIGS, engines, times, medians,
