@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import httpx
-import orjson
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.client import body, percentile, stream
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import (
     Server,
@@ -73,35 +72,15 @@ class Load:
         return self.tokens / self.seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def _stream(client: httpx.AsyncClient, server: Server, content: str, max_tokens: int,
                   load: Load) -> None:
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage = 0
-    async with client.stream("POST", server.url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-    load.tokens += usage or len(times)
-    if not times:
+    reply = await stream(client, server.base, body(server.model, max_tokens, content=content))
+    load.tokens += reply.tokens
+    if reply.ttft is None:
         load.empty += 1
         return
-    load.ttft.append(times[0] - t0)
-    load.itl += [b - a for a, b in itertools.pairwise(times)]
+    load.ttft.append(reply.ttft)
+    load.itl += reply.itl
 
 
 async def run_load(server: Server, streams: int, max_tokens: int, prompt: str | None) -> Load:
@@ -126,7 +105,7 @@ def measure(start: Callable[[], Server], runs: list[tuple[int, int, str | None]]
         for load in loads:
             load.rss_mib = server.rss()
             if load.empty:
-                print(f"{server.url}: {load.empty} of a load's streams ended without text")
+                print(f"{server.base}: {load.empty} of a load's streams ended without text")
         return loads
     finally:
         server.stop()

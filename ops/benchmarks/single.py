@@ -13,21 +13,19 @@ Starts `redserve up` (embedded Redis, default model) on a free port and reports:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 import httpx
-import orjson
 import torch
 from rich.table import Table
 
+from ops.benchmarks.harness.client import body, stream
+from ops.benchmarks.harness.stack import up
 from ops.console import make_console
-from ops.embedded_redis import free_port
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 from worker.engine.dtype import pick_dtype
@@ -35,45 +33,13 @@ from worker.engine.dtype import pick_dtype
 QUESTION = "What is KV Cache?"
 
 
-def _start(port: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], float]:
-    t0 = time.perf_counter()
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port)], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          start_new_session=True)
-    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 1}
-    while True:
-        if up.poll() is not None:
-            raise RuntimeError("redserve up exited")
-        try:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
-            if r.status_code == 200:
-                return up, time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-
-
-def _stream(port: int, max_tokens: int) -> tuple[float, float, int]:
-    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": QUESTION}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                      timeout=300) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter() - t0
-    total = time.perf_counter() - t0
-    assert first is not None
-    return first, (tokens - 1) / (total - first), tokens
+async def _stream(base: str, max_tokens: int) -> tuple[float, float, int]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        reply = await stream(client, base, body(DEFAULT_MODEL, max_tokens, content=QUESTION,
+                                                ignore_eos=True))
+    assert reply.ttft is not None
+    decode = reply.ended - reply.stamps[0]
+    return reply.ttft, (reply.tokens - 1) / decode, reply.tokens
 
 
 def _hf(max_tokens: int) -> tuple[float, float]:
@@ -112,20 +78,17 @@ def main() -> None:
     args = ap.parse_args()
     console = make_console()
 
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    os.environ.pop("REDIS_URL", None)  # `up` starts its own Redis: part of its start-up
     cache = tempfile.TemporaryDirectory() if args.cold else None
-    if cache is not None:
-        env["REDSERVE_CACHE_DIR"] = cache.name
-    port = free_port()
-    with console.status("starting redserve up"):
-        up, startup = _start(port, env)
+    env = {"REDSERVE_CACHE_DIR": cache.name} if cache is not None else {}
     try:
-        with console.status("one streaming request"):
-            _stream(port, 8)  # warm-up
-            ttft, tps, tokens = _stream(port, args.max_tokens)
+        with up(env=env) as server:
+            with console.status("starting redserve up"):
+                startup = server.wait()
+            with console.status("one streaming request"):
+                asyncio.run(_stream(server.base, 8))  # warm-up
+                ttft, tps, tokens = asyncio.run(_stream(server.base, args.max_tokens))
     finally:
-        os.killpg(up.pid, signal.SIGINT)
-        up.wait(60)
         if cache is not None:
             cache.cleanup()
     with console.status("HF generate"):

@@ -28,9 +28,10 @@ import statistics
 
 from rich.table import Table
 
+from ops.benchmarks.harness.client import percentile
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import redserve
-from ops.benchmarks.serve import Load, percentile, run_load
+from ops.benchmarks.serve import Load, run_load
 from ops.console import make_console
 from ops.testkit.otlp_receiver import OTLPReceiver
 from shared.settings import DEFAULT_MODEL
