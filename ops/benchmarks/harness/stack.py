@@ -34,6 +34,10 @@ from ops.testkit.probe import wait_healthy
 from shared.settings import DEFAULT_MODEL
 
 REDSERVE = [sys.executable, "-m", "ops.cli"]
+# Replicas on loopback that serve the benchmark's own clients only: no API key asked.
+NO_AUTH = {"REDSERVE_NO_AUTH": "true", "REDSERVE_API_KEYS": ""}
+# A queue no load of a benchmark fills: what is measured is serving, not refusals.
+UNBOUNDED_QUEUE = {"REDSERVE_MAX_QUEUED_REQUESTS": "100000"}
 
 
 class Server:
@@ -123,9 +127,7 @@ class Processes:
                  env: dict[str, str] | None = None, name: str = "bench") -> None:
         self.prefix = f"{name}-{uuid.uuid4().hex[:6]}"
         self.env = {**os.environ, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": self.prefix,
-                    "REDSERVE_MAX_QUEUED_REQUESTS": "100000",
-                    # Replicas on loopback, for the benchmark's own clients only.
-                    "REDSERVE_NO_AUTH": "true", "REDSERVE_API_KEYS": "", **(env or {})}
+                    **(env or {})}
         self.model = ["--model", str(model), "--served-model-name", served]
         self.logs = Path(tempfile.mkdtemp(prefix=f"{name}-"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
