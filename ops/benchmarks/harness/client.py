@@ -60,8 +60,9 @@ async def stream(client: httpx.AsyncClient, base_url: str, request: dict[str, An
     """Send `request` (see `body`) to `base_url` (no /v1) and read its stream to the end;
     StreamError for a refused request or an error event."""
     reply = Reply(time.perf_counter())
+    sent_headers = {"Content-Type": "application/json", **(headers or {})}
     async with client.stream("POST", base_url + path(request), content=orjson.dumps(request),
-                             headers=headers) as response:
+                             headers=sent_headers) as response:
         if response.status_code != 200:
             raise StreamError(error_text(response.status_code, await response.aread()))
         async for now, events in read_events(response):
