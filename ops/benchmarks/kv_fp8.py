@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
 from ops.benchmarks.harness import engine as harness
@@ -71,25 +71,15 @@ def _runner(path: Path, config: Config) -> ModelRunner:
 
 
 def _quality_row(name: str, forced: drift.Run, greedy: drift.Run, base: drift.Run) -> list[str]:
-    gaps = torch.tensor([abs(x - y) for a, b in zip(forced.logprobs, base.logprobs, strict=True)
-                         for x, y in zip(a, b, strict=True)])
     pairs = [(x, y) for a, b in zip(greedy.fed, base.fed, strict=True)
              for x, y in zip(a, b, strict=True)]
-    top1 = [x == y for a, b in zip(forced.top, base.fed, strict=True)
-            for x, y in zip(a, b, strict=True)]
-    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
-    return [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
-            f"{float(gaps.max()):.3f}", f"{sum(top1) / len(top1):.1%}",
+    return [name, *drift.gap_cells(forced, base), drift.top1(forced, base),
             f"{sum(x == y for x, y in pairs) / len(pairs):.1%}",
-            f"{statistics.mean(shared):.1f}",
-            f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
+            *drift.shared_cells(greedy, base)]
 
 
 def quality_table(path: Path, tokens: int) -> Table:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                  add_generation_prompt=True, return_dict=False))
-               for q in PROMPTS]
+    prompts = drift.chat_prompts(path, PROMPTS)
     base = drift.decode(_runner(path, BF16), prompts, tokens)
     table = Table(title=f"against bf16 KV's greedy output ({len(prompts)} prompts x {tokens} "
                         "tokens): logprob |d| teacher-forced, then each decoding greedily")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
 from ops.benchmarks.harness import engine as harness
@@ -63,24 +63,14 @@ def _runner(path: Path, config: str) -> ModelRunner:
 
 def _drift_row(name: str, ours: drift.Run, ref: drift.Run, greedy: drift.Run | None,
                base: drift.Run) -> list[str]:
-    gaps = torch.tensor([abs(x - y) for a, b in zip(ours.logprobs, ref.logprobs, strict=True)
-                         for x, y in zip(a, b, strict=True)])
-    cells = [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
-             f"{float(gaps.max()):.3f}"]
+    cells = [name, *drift.gap_cells(ours, ref)]
     if greedy is None:
         return [*cells, "", "", ""]
-    top1 = [x == y for a, b in zip(ours.top, base.fed, strict=True)
-            for x, y in zip(a, b, strict=True)]
-    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
-    return [*cells, f"{sum(top1) / len(top1):.1%}", f"{statistics.mean(shared):.1f}",
-            f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
+    return [*cells, drift.top1(ours, base), *drift.shared_cells(greedy, base)]
 
 
 def drift_table(path: Path, tokens: int) -> Table:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                  add_generation_prompt=True, return_dict=False))
-               for q in QUESTIONS]
+    prompts = drift.chat_prompts(path, QUESTIONS)
     bf16 = drift.decode(_runner(path, "bf16"), prompts, tokens)
     forced: dict[str, drift.Run] = {}
     greedy: dict[str, drift.Run] = {}
