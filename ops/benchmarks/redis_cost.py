@@ -34,7 +34,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from ops.benchmarks.harness.client import body, stream
+from ops.benchmarks.harness.client import TOPICS, body, stream
 from ops.benchmarks.harness.stack import NO_AUTH, UNBOUNDED_QUEUE, Processes, redis_cpu
 from ops.benchmarks.harness.stack import redis_url as stack_redis_url
 from ops.benchmarks.machine import describe
@@ -42,10 +42,6 @@ from ops.console import make_console
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
-TOPICS = ("a lighthouse keeper", "the first winter on Mars", "a clockmaker's apprentice",
-          "a river that flows uphill", "a dragon who hoards books", "the last train home",
-          "a detective in Venice", "an orchard at night", "a robot learning to paint",
-          "two rival bakers", "a storm over the prairie", "a lost violin")
 COMMANDS_PER_TOKEN_TARGET = 1.1
 CPU_MS_PER_1K_TARGET = 10.0
 # The benchmark's own commands inside the window: the RESETSTAT that opens it (INFO

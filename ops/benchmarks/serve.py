@@ -43,7 +43,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from ops.benchmarks.harness.client import body, percentile, stream
+from ops.benchmarks.harness.client import TOPICS, body, percentile, stream
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import (
     Server,
@@ -55,11 +55,6 @@ from ops.benchmarks.peers import (
 )
 from ops.console import make_console
 from shared.settings import DEFAULT_MODEL
-
-TOPICS = ("a lighthouse keeper", "the first winter on Mars", "a clockmaker's apprentice",
-          "a river that flows uphill", "a dragon who hoards books", "the last train home",
-          "a detective in Venice", "an orchard at night", "a robot learning to paint",
-          "two rival bakers", "a storm over the prairie", "a lost violin")
 
 
 @dataclass

@@ -15,6 +15,12 @@ import orjson
 
 from ops.loadtest.client import StreamError, error_text, read_events
 
+# What the loads ask stories about: prompts alike in kind, none the same.
+TOPICS = ("a lighthouse keeper", "the first winter on Mars", "a clockmaker's apprentice",
+          "a river that flows uphill", "a dragon who hoards books", "the last train home",
+          "a detective in Venice", "an orchard at night", "a robot learning to paint",
+          "two rival bakers", "a storm over the prairie", "a lost violin")
+
 
 @dataclass
 class Reply:
