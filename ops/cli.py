@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from ops.inspector.cli import add_arguments as add_inspect_arguments
-from ops.loadtest.cli import add_arguments as add_bench_arguments
+from ops.inspector.inspect_command import add_arguments as add_inspect_arguments
+from ops.loadtest.bench_command import add_arguments as add_bench_arguments
 from ops.options import (
     LIMITS,
     LOGGING,
@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
                                  "kv_cache_memory", "page_size", "max_prefill_tokens",
                                  "worker_name", "metrics_port"))
     elif args.command == "inspect":
-        from ops.inspector.cli import run as run_inspect
+        from ops.inspector.inspect_command import run as run_inspect
 
         sys.exit(run_inspect(args))
     elif args.command == "bench":
-        from ops.loadtest.cli import run as run_bench
+        from ops.loadtest.bench_command import run as run_bench
 
         sys.exit(run_bench(args))
     else:

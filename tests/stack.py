@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from ops.embedded_redis import free_port
-from ops.probe import scrape, wait_healthy
+from ops.testkit.probe import scrape, wait_healthy
 from shared.keys import Keys, replica_of
 from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
 from shared.redis_address import is_sentinel_url, parse_sentinel_url

@@ -28,7 +28,7 @@ import redis
 from transformers import AutoTokenizer
 
 from ops.embedded_redis import EmbeddedRedis
-from ops.probe import scrape
+from ops.testkit.probe import scrape
 from shared import grammar
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import (

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from ops.embedded_redis import free_port
-from ops.probe import wait_healthy
 from ops.supervisor import Backoff, ChildSpec, Supervisor
+from ops.testkit.probe import wait_healthy
 from ops.up import serves_all
 from tests.stack import child_env, eventually
 

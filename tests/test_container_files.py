@@ -7,7 +7,8 @@ has them (no container engine runs here; docs/operations.md says how the stack w
   or rescaled replica from costing a hung request: a shared zone, re-resolution through Docker's
   DNS, a short connect timeout, passive failure marking, retries; SSE unbuffered.
 - .dockerignore: the build context as Docker computes it (the Docker SDK's implementation of the
-  ignore rules): what ops/Dockerfile copies is in it, a checkout's .venv, .git and caches not.
+  ignore rules): what ops/Dockerfile copies is in it, a checkout's .venv, .git and caches not,
+  nor ops/'s benchmarks and test support.
 - ops/Dockerfile: dependencies installed before any source is copied, so a code edit rebuilds
   only the source layers; the CPU-only torch build argument wired through compose.yaml.
 """
@@ -125,6 +126,18 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_no_checkout_clut
     assert not [p for p in sent if any(p.startswith(c.split("/")[0]) for c in clutter
                                        if not c.startswith("api/"))], sent
     assert "api/__pycache__/app.cpython-311.pyc" not in sent
+
+
+def test_the_build_context_leaves_out_the_benchmarks_and_the_test_support() -> None:
+    # ops/ ships its operator tools only: the developer benchmarks and the test support stay in
+    # the checkout (pyproject's packages.find leaves them out of the wheel likewise).
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    context = exclude_paths(str(ROOT), patterns)
+    assert {"ops/cli.py", "ops/up.py", "ops/loadtest/client.py"} <= context
+    assert (ROOT / "ops/benchmarks/serve.py").exists() and (ROOT / "ops/testkit").is_dir()
+    shipped = [p for p in context if p.startswith(("ops/benchmarks", "ops/testkit"))]
+    assert not shipped, shipped
 
 
 def test_dependencies_are_installed_before_the_source_is_copied() -> None:

@@ -2,7 +2,7 @@
 run gives, or with a definite error; none hangs, none shows a token twice or misses one.
 
 Real processes throughout: a Valkey primary, its replica and three Sentinels on loopback
-(`ops/failover_lab.py`), two API replicas and two workers given only the redis+sentinel://
+(`ops/testkit/failover_lab.py`), two API replicas and two workers given only the redis+sentinel://
 URL, and streams read over HTTP. Three ways the primary goes, one test each, on one shared
 deployment (the cases run in order; each leaves the lab settled again): a `SENTINEL FAILOVER`,
 the primary SIGKILLed (then started again empty, as an orchestrator would, and made a replica
@@ -37,7 +37,7 @@ import openai
 import pytest
 
 from ops.embedded_redis import free_port
-from ops.failover_lab import FailoverLab, LabConfig
+from ops.testkit.failover_lab import FailoverLab, LabConfig
 from tests.disturbed_load import body, load, summary
 from tests.stack import Stack, child_env, eventually, inspect, inspect_json, sync_client
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from ops.embedded_redis import free_port
-from ops.probe import scrape
+from ops.testkit.probe import scrape
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 

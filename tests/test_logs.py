@@ -22,7 +22,7 @@ import httpx
 import openai
 
 from ops.embedded_redis import free_port
-from ops.probe import wait_healthy
+from ops.testkit.probe import wait_healthy
 from shared.logs import log_event, make_handler
 from shared.settings import Settings
 from tests.stack import child_env, eventually

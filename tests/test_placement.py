@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from api.auth.keys import ANONYMOUS
-from ops.probe import scrape
+from ops.testkit.probe import scrape
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Heartbeat, PrefixSummary, RequestHash
 from shared.page_digest import prompt_digests

@@ -15,7 +15,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from ops.probe import scrape
+from ops.testkit.probe import scrape
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 

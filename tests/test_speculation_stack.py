@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from ops.embedded_redis import free_port
-from ops.probe import scrape
+from ops.testkit.probe import scrape
 from shared.keys import WORKER_GROUP, Keys
 from tests.stack import Stack, eventually, inspect_json
 

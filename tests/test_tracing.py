@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from ops.otlp_receiver import OTLPGrpcReceiver, OTLPReceiver, Received
+from ops.testkit.otlp_receiver import OTLPGrpcReceiver, OTLPReceiver, Received
 from shared.keys import Keys
 from tests.stack import Stack, eventually
 

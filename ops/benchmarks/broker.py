@@ -16,11 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import resource
-import subprocess
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -28,14 +24,20 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.stack import (
+    NO_AUTH,
+    UNBOUNDED_QUEUE,
+    Processes,
+    redis_cpu,
+    self_cpu_seconds,
+)
+from ops.benchmarks.harness.stack import redis_url as stack_redis_url
 from ops.console import make_console
-from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.loadtest.client import read_events
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
 TOPOLOGIES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]  # (workers, replicas)
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -45,17 +47,6 @@ class Result:
     requests_per_s: float
     tokens_per_s: float
     cpu: dict[str, float]  # cores used, by part
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
-
-
-def _redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 @dataclass
@@ -75,15 +66,11 @@ async def _client(base_url: str, body: dict[str, object], stop_at: float,
                     await response.aread()
                     await asyncio.sleep(0.05)
                     continue
-                async for line in response.aiter_lines():
+                async for _, events in read_events(response):
                     if time.monotonic() >= stop_at:
                         return
-                    if not line.startswith('data: {"id"'):
-                        continue
-                    if '"finish_reason":"length"' in line:  # the closing event: no token
-                        counts.requests += 1
-                    else:
-                        counts.tokens += 1
+                    counts.tokens += sum(1 for e in events if e.text)
+                counts.requests += 1
 
 
 async def _drive(urls: list[str], args: argparse.Namespace) -> Counts:
@@ -99,56 +86,32 @@ async def _drive(urls: list[str], args: argparse.Namespace) -> Counts:
 
 def run(workers: int, replicas: int, redis_url: str, args: argparse.Namespace) -> Result:
     info = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
-    env = {**os.environ, "REDIS_URL": redis_url,
-           "REDSERVE_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:6]}",
-           "REDSERVE_SYNTHETIC_STEP_MS": str(args.step_ms),
-           "REDSERVE_MAX_RUNNING": str(args.max_running),
-           "REDSERVE_MAX_QUEUED_REQUESTS": "100000",
-           # Replicas on loopback, for this benchmark's load generator only.
-           "REDSERVE_NO_AUTH": "true", "REDSERVE_API_KEYS": ""}
-    me = [sys.executable, "-m", "ops.cli"]
-    model = ["--model", str(info.path), "--served-model-name", DEFAULT_MODEL]
-    ports = [free_port() for _ in range(replicas)]
-    procs = {f"worker{i}": subprocess.Popen([*me, "worker", *model], env=env,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for i in range(workers)}
-    procs |= {f"api{i}": subprocess.Popen([*me, "api", "--host", "127.0.0.1", "--port",
-                                           str(port), *model], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-              for i, port in enumerate(ports)}
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    env = {**NO_AUTH, **UNBOUNDED_QUEUE, "REDSERVE_SYNTHETIC_STEP_MS": str(args.step_ms),
+           "REDSERVE_MAX_RUNNING": str(args.max_running)}
     r = redis.Redis.from_url(redis_url)
-    try:
+    with Processes(redis_url, info.path, env=env, name="bench-broker") as procs:
+        for i in range(workers):
+            procs.worker(name=f"worker{i}")
+        urls = [procs.api(name=f"api{i}") for i in range(replicas)]
         for url in urls:
-            if not wait_healthy(url, lambda: all(p.poll() is None for p in procs.values()), 120):
-                raise RuntimeError("the topology did not start")
-            while httpx.get(f"{url}/ready").json().get("workers", 0) < workers:
-                time.sleep(0.2)
+            procs.wait_ready(url, workers, timeout=120)
         asyncio.run(_drive(urls, argparse.Namespace(**{**vars(args), "seconds": 2})))  # warm-up
-        before = {name: _cpu_seconds(p.pid) for name, p in procs.items()}
-        redis_before = _redis_cpu(r)
-        self_before = resource.getrusage(resource.RUSAGE_SELF)
+        before = {name: procs.cpu_seconds(name) for name in procs.procs}
+        redis_before, self_before = redis_cpu(r), self_cpu_seconds()
         t0 = time.monotonic()
         counts = asyncio.run(_drive(urls, args))
         wall = time.monotonic() - t0
-        self_after = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = {
-            "load generator": (self_after.ru_utime + self_after.ru_stime
-                               - self_before.ru_utime - self_before.ru_stime) / wall,
-            "redis": (_redis_cpu(r) - redis_before) / wall,
-            "api (all)": sum(_cpu_seconds(p.pid) - before[n] for n, p in procs.items()
-                             if n.startswith("api")) / wall,
-            "workers (all)": sum(_cpu_seconds(p.pid) - before[n] for n, p in procs.items()
-                                 if n.startswith("worker")) / wall,
-        }
-        return Result(workers, replicas, counts.requests / args.seconds,
-                      counts.tokens / args.seconds, cpu)
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(30)
-        r.close()
+
+        def cores(role: str) -> float:
+            return sum(procs.cpu_seconds(n) - before[n] for n in procs.procs
+                       if n.startswith(role)) / wall
+
+        cpu = {"load generator": (self_cpu_seconds() - self_before) / wall,
+               "redis": (redis_cpu(r) - redis_before) / wall,
+               "api (all)": cores("api"), "workers (all)": cores("worker")}
+    r.close()
+    return Result(workers, replicas, counts.requests / args.seconds,
+                  counts.tokens / args.seconds, cpu)
 
 
 def main() -> None:
@@ -160,13 +123,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0)
     args = ap.parse_args()
     console = make_console()
-    embedded = None
-    redis_url = os.environ.get("REDIS_URL")
-    if redis_url is None:
-        embedded = EmbeddedRedis()
-        redis_url = embedded.start()
     results: dict[tuple[int, int], Result] = {}
-    try:
+    with stack_redis_url() as redis_url:
         for workers, replicas in TOPOLOGIES:
             with console.status(f"{workers} worker(s), {replicas} replica(s)"):
                 res = run(workers, replicas, redis_url, args)
@@ -174,9 +132,6 @@ def main() -> None:
             console.print(f"{workers} worker(s), {replicas} replica(s): "
                           f"{res.requests_per_s:.1f} req/s, {res.tokens_per_s:.0f} tokens/s; "
                           + ", ".join(f"{k} {v:.2f} cores" for k, v in res.cpu.items()))
-    finally:
-        if embedded is not None:
-            embedded.stop()
     _report(console, results, args)
 
 

@@ -37,6 +37,7 @@ import torch
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.console import make_console
 from shared import request_grammar as grammar
@@ -127,12 +128,8 @@ class Run:
 
 
 def _engine(dtype: str, prompt_len: int) -> Engine:
-    from worker.engine.build import build_engine
-
-    settings = WorkerSettings(device="cpu", dtype=dtype,  # type: ignore[arg-type]  # a --dtype choice
-                        max_running=BATCH, max_prefill_tokens=BATCH * prompt_len,
-                        kv_cache_memory=1024**3)
-    return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
+    return harness.built(dtype=dtype, max_running=BATCH, max_prefill_tokens=BATCH * prompt_len,
+                         kv_cache_memory=1024**3)
 
 
 def _prompts(tokenizer: Any) -> list[tuple[int, ...]]:

@@ -34,8 +34,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness import engine as harness
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, WorkerSettings
 
@@ -66,11 +67,7 @@ def _hf_model(dtype: str, **kw: Any) -> Any:
 
 
 def _engine(kv_bytes: int, max_running: int, dtype: str) -> Any:
-    from worker.engine.build import build_engine
-
-    settings = WorkerSettings(kv_cache_memory=kv_bytes, max_running=max_running, device="cpu",
-                        dtype=dtype)  # type: ignore[arg-type]  # a --dtype choice
-    return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
+    return harness.built(kv_cache_memory=kv_bytes, max_running=max_running, dtype=dtype)
 
 
 def _run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, float]:
@@ -78,8 +75,7 @@ def _run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add(GenerateRequest(id=f"b-{i}", model=DEFAULT_MODEL, prompt_ids=tuple(prompt),
-                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+        engine.add(harness.request(f"b-{i}", prompt, params))
     tokens = 0
     first = 0.0
     while engine.scheduler.has_work():

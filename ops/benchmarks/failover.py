@@ -2,13 +2,15 @@
 
     python -m ops.benchmarks.failover [--down-after-ms 1000] [--calls 2000]
 
-On a loopback Valkey primary, one replica and three Sentinels (`ops/failover_lab.py`):
+On a loopback Valkey primary, one replica and three Sentinels (`ops/testkit/failover_lab.py`):
 
-1. **WAIT's cost.** `--calls` admissions-sized writes (a Lua script that XADDs a 2 KB body and
-   sets a hash, as the admission script roughly does) run one at a time, alone and then in one
-   pipeline with `WAIT 1 100` as `REDSERVE_ADMISSION_WAIT_REPLICAS=1` sends them: p50 and p99
-   of each, and the difference. On loopback this is the replication round trip and nothing
-   else; across zones add their network round trip.
+1. **WAIT's cost.** `--calls` admissions through the replica's own `api.admission.Admission`
+   (the admission script, shared/scripts/admit.py, with a request of `--prompt-tokens` prompt
+   tokens), one at a time, alternately without a WAIT and with `WAIT 1 100` in the same
+   pipeline, as `REDSERVE_ADMISSION_WAIT_REPLICAS=1` sends it: p50 and p99 of each. On loopback
+   the difference is the replication round trip and nothing else; across zones add their
+   network round trip. The queue is emptied every 16 calls (untimed), as workers taking
+   requests would, so both arms see the same queue depths.
 2. **Stall per case.** Eight writers on the project's own client (`shared/redis_conn.connect`
    with the redis+sentinel:// URL) write every 10 ms while the primary goes by `SENTINEL
    FAILOVER`, SIGKILL, or SIGSTOP past down-after and SIGCONT. Per case: the longest time a
@@ -26,13 +28,17 @@ import time
 
 from rich.table import Table
 
+from api.admission import Admission, QueueLimits, Replication
 from ops.console import make_console
-from ops.failover_lab import FailoverLab, LabConfig
+from ops.testkit.failover_lab import FailoverLab, LabConfig
+from shared.keys import Keys, new_request_id
+from shared.messages import GenerateRequest, SamplingParams
 from shared.redis_conn import connect
 
-LUA = "redis.call('XADD', KEYS[1], '*', 'body', ARGV[1]); " \
-      "redis.call('HSET', KEYS[2], 'state', 'queued'); return 1"
 WRITERS = 8
+MODEL = "bench-model"
+# Roomy enough that no admission is refused: the figure is an admitted request's.
+LIMITS = QueueLimits(max_requests=1024, max_tokens=10**9, timeout_s=60, max_per_tenant=1024)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -40,28 +46,38 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def wait_cost(lab: FailoverLab, calls: int) -> tuple[list[float], list[float]]:
+def _request(prompt_tokens: int) -> GenerateRequest:
+    now = time.time()
+    return GenerateRequest(id=new_request_id("bench"), model=MODEL,
+                           prompt_ids=tuple(range(1000, 1000 + prompt_tokens)),
+                           params=SamplingParams(max_tokens=64, temperature=0.0), created=now,
+                           queue_deadline=now + 60, deadline=now + 120)
+
+
+async def wait_cost(lab: FailoverLab, calls: int, prompt_tokens: int
+                    ) -> tuple[list[float], list[float]]:
+    """Milliseconds per admission, without WAIT and with `WAIT 1 100`, alternating."""
     clients = connect(lab.url, name="bench-wait")
-    script = clients.commands.register_script(LUA)
-    body = "x" * 2048
-    alone, waited = [], []
+    keys = Keys("bench-wait")
+    arms = [Admission(clients.commands, keys, LIMITS, request_ttl_s=600,
+                      replication=Replication(replicas, 100)) for replicas in (0, 1)]
+    model_keys = [keys.queued(MODEL), keys.requests(MODEL), keys.entries(MODEL),
+                  keys.service(MODEL)]
+    times: tuple[list[float], list[float]] = ([], [])
     try:
         for i in range(calls):
-            keys = [f"bench:stream:{i % 16}", f"bench:hash:{i}"]
+            if i % 16 == 0:
+                await clients.commands.delete(*model_keys)
+            arm = i % 2
+            request = _request(prompt_tokens)
             t0 = time.perf_counter()
-            await script(keys=keys, args=[body])
-            alone.append((time.perf_counter() - t0) * 1000)
-            pipe = clients.commands.pipeline(transaction=False)
-            await script(keys=keys, args=[body], client=pipe)
-            pipe.wait(1, 100)
-            t0 = time.perf_counter()
-            _, acknowledged = await pipe.execute()
-            waited.append((time.perf_counter() - t0) * 1000)
-            assert acknowledged == 1
-        await clients.commands.delete(*[f"bench:stream:{i}" for i in range(16)])
+            admitted = await arms[arm].try_enqueue(request)
+            times[arm].append((time.perf_counter() - t0) * 1000)
+            assert admitted.refused is None, admitted.refused
+        await clients.commands.delete(*model_keys)
     finally:
         await clients.close()
-    return alone, waited
+    return times
 
 
 async def stall(lab: FailoverLab, case: str) -> tuple[list[float], int]:
@@ -115,15 +131,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--down-after-ms", type=int, default=1000)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--prompt-tokens", type=int, default=400,
+                        help="the admitted request's prompt (400: a body of about 2 KB)")
     args = parser.parse_args()
     console = make_console()
     lab = FailoverLab(LabConfig(down_after_ms=args.down_after_ms)).start()
     try:
-        alone, waited = asyncio.run(wait_cost(lab, args.calls))
-        table = Table(title=f"admission-sized script, {args.calls} calls, loopback")
+        alone, waited = asyncio.run(wait_cost(lab, args.calls, args.prompt_tokens))
+        table = Table(title=f"the admission script, {args.calls} calls "
+                            f"({args.prompt_tokens} prompt tokens), loopback")
         for column in ("", "p50 ms", "p99 ms"):
             table.add_column(column)
-        for name, values in (("script", alone), ("script + WAIT 1", waited)):
+        for name, values in (("admission", alone), ("admission + WAIT 1", waited)):
             table.add_row(name, f"{statistics.median(values):.3f}",
                           f"{_quantile(values, 0.99):.3f}")
         console.print(table)

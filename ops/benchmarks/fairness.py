@@ -22,27 +22,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO
 
 import httpx
 import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.client import body, stream
+from ops.benchmarks.harness.stack import Processes, redis_url
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.loadtest.client import StreamError
 from shared.keys import Keys
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
@@ -65,76 +58,19 @@ class Phase:
         return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
-class Processes:
-    """One API replica for the run; the worker restarted for each queue policy."""
-
-    def __init__(self, redis_url: str, model: Path, args: argparse.Namespace) -> None:
-        self.prefix = f"bench-fair-{uuid.uuid4().hex[:6]}"
-        self.env = {**os.environ, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": self.prefix,
-                    "REDSERVE_MAX_RUNNING": str(args.max_running),
-                    "REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in API_KEY_OF.items())}
-        if args.synthetic_step_ms is not None:
-            self.env["REDSERVE_SYNTHETIC_STEP_MS"] = str(args.synthetic_step_ms)
-        self.model = ["--model", str(model), "--served-model-name", DEFAULT_MODEL]
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logs = Path(tempfile.mkdtemp(prefix="bench-fair-"))
-        self._files: list[IO[bytes]] = []
-        self.api = self._spawn("api", ["api", "--host", "127.0.0.1", "--port", str(self.port)],
-                               {})
-        self.worker: subprocess.Popen[bytes] | None = None
-
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")  # closed in stop()
-        self._files.append(log)
-        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args, *self.model],
-                                env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
-
-    def start_worker(self, policy: str, timeout: float) -> None:
-        self._stop_worker()
-        self.worker = self._spawn(f"worker-{policy}", ["worker"],
-                                  {"REDSERVE_QUEUE_POLICY": policy})
-        alive = lambda: self.api.poll() is None and self.worker.poll() is None  # noqa: E731
-        deadline = time.monotonic() + timeout
-        if not wait_healthy(self.url, alive, timeout):
-            raise RuntimeError(f"the API did not start; logs in {self.logs}")
-        while time.monotonic() < deadline and alive():
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"the worker did not start; logs in {self.logs}")
-
-    def _stop_worker(self) -> None:
-        if self.worker is not None and self.worker.poll() is None:
-            self.worker.terminate()
-            self.worker.wait(60)
-
-    def stop(self) -> None:
-        self._stop_worker()
-        self.api.terminate()
-        self.api.wait(30)
-        for f in self._files:
-            f.close()
-
-
 async def _request(client: httpx.AsyncClient, tenant: str, max_tokens: int, n: int
                    ) -> float | None:
     """One streaming completion; its TTFT, or None when refused (429)."""
-    body = {"model": DEFAULT_MODEL, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "prompt": f"Request {n} of {tenant}: a story"}
-    started = time.perf_counter()
-    ttft = None
-    async with client.stream("POST", "/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {API_KEY_OF[tenant]}"}) as response:
-        if response.status_code == 429:
+    request = body(DEFAULT_MODEL, max_tokens, prompt=f"Request {n} of {tenant}: a story",
+                   ignore_eos=True)
+    try:
+        reply = await stream(client, "", request,
+                             headers={"Authorization": f"Bearer {API_KEY_OF[tenant]}"})
+    except StreamError as e:
+        if str(e).startswith("HTTP 429"):
             return None
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
-                ttft = time.perf_counter() - started
-    return ttft
+        raise
+    return reply.ttft
 
 
 async def _tenant(client: httpx.AsyncClient, phase: Phase, tenant: str, rps: float,
@@ -216,46 +152,42 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
-    embedded = EmbeddedRedis()
-    redis_url = embedded.start()
-    r = redis.Redis.from_url(redis_url)
-    procs = None
     phases: list[Phase] = []
-    try:
-        model = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
-        console.print(describe())
-        what = (f"synthetic model, {args.synthetic_step_ms:g} ms a step"
-                if args.synthetic_step_ms is not None else f"{DEFAULT_MODEL} ({model.path})")
-        console.print(f"model: {what}; worker --max-running {args.max_running}; "
-                      f"{args.max_tokens} tokens a request; {args.duration:g} s a phase")
-        procs = Processes(redis_url, model.path, args)
+    model = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
+    console.print(describe())
+    what = (f"synthetic model, {args.synthetic_step_ms:g} ms a step"
+            if args.synthetic_step_ms is not None else f"{DEFAULT_MODEL} ({model.path})")
+    console.print(f"model: {what}; worker --max-running {args.max_running}; "
+                  f"{args.max_tokens} tokens a request; {args.duration:g} s a phase")
+    env = {"REDSERVE_MAX_RUNNING": str(args.max_running),
+           "REDSERVE_API_KEYS": ",".join(f"{t}:{k}" for t, k in API_KEY_OF.items())}
+    if args.synthetic_step_ms is not None:
+        env["REDSERVE_SYNTHETIC_STEP_MS"] = str(args.synthetic_step_ms)
+    with (redis_url() as url, Processes(url, model.path, env=env, name="bench-fair") as procs,
+          redis.Redis.from_url(url) as r):
         keys = Keys(procs.prefix)
+        api = procs.api()  # one replica for the run; the worker restarted for each policy
         for policy in ("fifo", "fair"):
             with console.status(f"starting the worker ({policy})"):
-                procs.start_worker(policy, args.startup_timeout)
+                procs.worker(env={"REDSERVE_QUEUE_POLICY": policy})
+                procs.wait_ready(api, timeout=args.startup_timeout)
             if not phases:
                 with console.status("measuring the worker's capacity"):
-                    capacity = asyncio.run(_capacity(procs.url, args.max_running,
-                                                     args.max_tokens))
+                    capacity = asyncio.run(_capacity(api, args.max_running, args.max_tokens))
                 light = args.light_rps or capacity / 10
                 console.print(f"capacity {capacity:.2f} requests/s; light tenant {light:.2f}/s,"
                               f" heavy {light * args.heavy_factor:.2f}/s")
                 _settle(r, keys)
                 phases.append(Phase("light alone"))
                 with console.status("light tenant alone"):
-                    asyncio.run(_run_phase(procs.url, phases[-1], {"light": light}, args))
+                    asyncio.run(_run_phase(api, phases[-1], {"light": light}, args))
                 _settle(r, keys)
             phases.append(Phase(f"with heavy, {policy}"))
             with console.status(f"light + heavy, {policy}"):
-                asyncio.run(_run_phase(procs.url, phases[-1],
+                asyncio.run(_run_phase(api, phases[-1],
                                        {"light": light, "heavy": light * args.heavy_factor},
                                        args))
             _settle(r, keys)
-    finally:
-        if procs is not None:
-            procs.stop()
-        r.close()
-        embedded.stop()
     _report(console, phases)
 
 

@@ -24,27 +24,25 @@ each configuration built as the worker builds it (`ModelRunner`):
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
+from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.benchmarks.quantization import QUESTIONS
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import KVCacheDtype, KVPool
+from worker.engine.engine import Engine
+from worker.engine.kv_cache import KVCacheDtype
 from worker.engine.model_runner import ModelRunner
-from worker.engine.threads import ThreadPolicy, usable_cpus
+from worker.engine.threads import usable_cpus
 
 PROMPTS = [*QUESTIONS, "What does a load balancer do?", "Describe the water cycle briefly.",
            "Write a limerick about a cat.", "What are the benefits of unit tests?"]
@@ -73,25 +71,15 @@ def _runner(path: Path, config: Config) -> ModelRunner:
 
 
 def _quality_row(name: str, forced: drift.Run, greedy: drift.Run, base: drift.Run) -> list[str]:
-    gaps = torch.tensor([abs(x - y) for a, b in zip(forced.logprobs, base.logprobs, strict=True)
-                         for x, y in zip(a, b, strict=True)])
     pairs = [(x, y) for a, b in zip(greedy.fed, base.fed, strict=True)
              for x, y in zip(a, b, strict=True)]
-    top1 = [x == y for a, b in zip(forced.top, base.fed, strict=True)
-            for x, y in zip(a, b, strict=True)]
-    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
-    return [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
-            f"{float(gaps.max()):.3f}", f"{sum(top1) / len(top1):.1%}",
+    return [name, *drift.gap_cells(forced, base), drift.top1(forced, base),
             f"{sum(x == y for x, y in pairs) / len(pairs):.1%}",
-            f"{statistics.mean(shared):.1f}",
-            f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
+            *drift.shared_cells(greedy, base)]
 
 
 def quality_table(path: Path, tokens: int) -> Table:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                  add_generation_prompt=True, return_dict=False))
-               for q in PROMPTS]
+    prompts = drift.chat_prompts(path, PROMPTS)
     base = drift.decode(_runner(path, BF16), prompts, tokens)
     table = Table(title=f"against bf16 KV's greedy output ({len(prompts)} prompts x {tokens} "
                         "tokens): logprob |d| teacher-forced, then each decoding greedily")
@@ -109,53 +97,10 @@ def quality_table(path: Path, tokens: int) -> Table:
 def _engine(path: Path, config: Config, batch: int, context: int, steps: int,
             threads: int) -> Engine:
     """An engine holding `batch` requests of `context` random prompt tokens, not yet run."""
-    runner = _runner(path, config)
-    page = config.page_size
-    length = context + steps + page  # the warm-up steps and the timed ones, and a spare page
-    engine = Engine(runner, KVPool(runner.kv_shape, batch * -(-length // page), page),
-                    EngineConfig(max_running=batch, max_step_tokens=512, max_model_len=length,
-                                 page_size=page, prefix_caching=False,
-                                 threads=ThreadPolicy(threads, pinned=True)),
-                    eos_token_ids=())
-    rng = random.Random(batch * context)
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
-        engine.add(GenerateRequest(id=f"k-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
-                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+    engine = harness.around(_runner(path, config), batch, context + steps, config.page_size,
+                            threads)
+    harness.add_random(engine, batch, context, seed=batch * context)
     return engine
-
-
-def _prefilling(engine: Engine) -> bool:
-    scheduler = engine.scheduler
-    return bool(scheduler.waiting) or any(s.num_computed < len(s.tokens) - 1
-                                          for s in scheduler.running.values())
-
-
-def _timed_step(engine: Engine) -> float:
-    t0 = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - t0
-
-
-def _step_times(engines: list[Engine], steps: int, rounds: int) -> list[list[list[float]]]:
-    """Per engine, per round, the decode step times (s). Engines take turns step by step, in
-    an order that rotates every round."""
-    while any(_prefilling(e) for e in engines):
-        for engine in engines:
-            if _prefilling(engine):
-                engine.step()
-    for _ in range(3):  # oneDNN builds its kernels for a new batch shape on first use
-        for engine in engines:
-            engine.step()
-    times: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in engines]
-    n = len(engines)
-    for r in range(rounds):
-        order = [(i + r) % n for i in range(n)]
-        for _ in range(steps):
-            for i in order:
-                times[i][r].append(_timed_step(engines[i]))
-    return times
 
 
 def speed_table(path: Path, batches: list[int], contexts: list[int], steps: int, rounds: int,
@@ -169,7 +114,7 @@ def speed_table(path: Path, batches: list[int], contexts: list[int], steps: int,
         for batch in batches:
             engines = [_engine(path, c, batch, context, steps * rounds, threads)
                        for c in SPEED_CONFIGS]
-            times = _step_times(engines, steps, rounds)
+            _, times = harness.take_turns(engines, steps, rounds)
             medians = [statistics.median(t for r in per for t in r) * 1e3 for per in times]
             ref = medians[SPEED_CONFIGS.index(BF16)]
             for config, engine, per, ms in zip(SPEED_CONFIGS, engines, times, medians,

@@ -19,13 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import random
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -38,9 +34,10 @@ import httpx
 import redis
 from rich.table import Table
 
+from ops.benchmarks.harness import stack
 from ops.console import make_console
-from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.loadtest.client import read_events
+from ops.testkit.probe import wait_healthy
 from shared.keys import Keys
 from shared.messages import Finish, decode_result, is_terminal
 from shared.models import resolve_model
@@ -54,27 +51,15 @@ PREFIX = "rsbench"
 @contextmanager
 def running_stack(model: str, served: str, env: dict[str, str],
                   options: Sequence[str] = ()) -> Iterator[tuple[str, str, int]]:
-    """(API base URL, Redis URL, API pid) of a fresh `redserve up` given `options`."""
-    redis_server = EmbeddedRedis()
-    redis_url = redis_server.start()
-    port = free_port()
-    full_env = {**os.environ, **env, "REDIS_URL": redis_url, "REDSERVE_KEY_PREFIX": PREFIX}
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
-                           "--model", model, "--served-model-name", served, *options],
-                          env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_healthy(base, lambda: up.poll() is None, timeout=300):
-            raise RuntimeError("redserve up did not become healthy")
-        children = Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()
-        api_pid = next(int(c) for c in children
-                       if b"\x00api\x00" in Path(f"/proc/{c}/cmdline").read_bytes())
-        yield base, redis_url, api_pid
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        up.wait(60)
-        redis_server.stop()
+    """(API base URL, Redis URL, API pid) of a fresh `redserve up` given `options`, once its
+    replica answers /health (a request may need an API key `env` sets)."""
+    with stack.redis_url() as url:
+        env = {**env, "REDIS_URL": url, "REDSERVE_KEY_PREFIX": PREFIX}
+        with stack.up("--model", model, "--served-model-name", served, *options, env=env,
+                      model=served) as server:
+            if not wait_healthy(server.base, lambda: server.proc.poll() is None, 300):
+                raise RuntimeError("redserve up did not become healthy")
+            yield server.base, url, server.child("api")
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -102,7 +87,7 @@ async def _cancel_bench(base: str, redis_url: str, cancels: int, load: int) -> N
         while not stop.is_set():
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 load_ids.append(resp.headers["x-request-id"])
-                async for _ in resp.aiter_lines():
+                async for _ in read_events(resp):
                     if stop.is_set():
                         break
 
@@ -113,11 +98,10 @@ async def _cancel_bench(base: str, redis_url: str, cancels: int, load: int) -> N
         async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             rid = resp.headers["x-request-id"]
             seen = 0
-            async for line in resp.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen > keep:
-                        break
+            async for _, events in read_events(resp):
+                seen += len(events)
+                if seen > keep:
+                    break
             hung_up = time.time()
         return rid, hung_up
 
@@ -185,15 +169,15 @@ async def _slow_bench(base: str, api_pid: int, streams: int, seconds: int) -> No
                 n = 0
                 last = ""
                 deadline = time.monotonic() + seconds
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        n += 1
-                        last = line
-                        if time.monotonic() > deadline:
-                            break
-                        await asyncio.sleep(1)
+                async for _, batch in read_events(resp):
+                    n += len(batch)
+                    last = batch[-1].text
+                    if time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(1)
                 events.append(n)
-                endings.append("held to the end" if time.monotonic() > deadline else last[:120])
+                endings.append("held to the end" if time.monotonic() > deadline
+                               else f"ended after {last[:100]!r}")
 
     async def sample() -> None:
         while True:

@@ -1,4 +1,5 @@
-"""The servers `ops.benchmarks.serve` puts side by side, each started alone in its own session.
+"""The servers `ops.benchmarks.serve` puts side by side, each started alone in its own session
+(a `Server` of the harness, ops/benchmarks/harness/stack.py).
 
 - `redserve up` with its defaults;
 - `transformers serve --continuous-batching`, the reference implementation's own server;
@@ -14,14 +15,9 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
-import httpx
-
-from ops.benchmarks.machine import descendants, peak_rss_mib
+from ops.benchmarks.harness.stack import Server, up
 from ops.embedded_redis import free_port
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
@@ -30,59 +26,14 @@ from shared.settings import DEFAULT_MODEL, Settings
 VLLM_KV_GIB = 2
 
 
-class Server:
-    """A server started in its own session, stopped with everything it started."""
-
-    def __init__(self, cmd: list[str], port: int, model: str,
-                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
-        self.port, self.model = port, model
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, env={**os.environ, **(env or {})},
-                                     cwd=cwd)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/chat/completions"
-
-    def wait(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 2}
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.post(self.url, json=body, timeout=60).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("server did not answer")
-
-    def rss(self) -> float:
-        return peak_rss_mib(descendants(self.proc.pid))
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 def model_dir() -> str:
     return str(resolve_model(DEFAULT_MODEL, Settings().cache_dir).path)
 
 
 def redserve(dtype: str, env: dict[str, str] | None = None, tree: str | None = None) -> Server:
     """`redserve up` with its defaults (its own thread policy) at `dtype`; `env` overrides
-    settings (`REDSERVE_*`) for experiments; `tree`: the code of another checkout (an earlier
-    commit's `git worktree`), run on this environment, for a before-and-after."""
-    port = free_port()
-    env = {**(env or {}), **({"PYTHONPATH": tree} if tree else {})}
-    return Server([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--dtype", dtype],
-                  port, DEFAULT_MODEL, env, cwd=tree)
+    settings (`REDSERVE_*`) for experiments; `tree`: another checkout's code (see `up`)."""
+    return up("--dtype", dtype, env=env, tree=tree)
 
 
 def transformers_serve(dtype: str, threads: int) -> Server:

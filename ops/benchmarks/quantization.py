@@ -22,27 +22,24 @@ here as the measurement behind that choice.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
+from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 from worker.engine import onednn
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import KVPool
+from worker.engine.engine import Engine
 from worker.engine.linear import Linear
 from worker.engine.model_runner import ModelRunner
-from worker.engine.threads import ThreadPolicy, usable_cpus
+from worker.engine.threads import usable_cpus
 
 QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku about Redis.",
              "Explain photosynthesis in one paragraph.", "What is the capital of France?",
@@ -66,24 +63,14 @@ def _runner(path: Path, config: str) -> ModelRunner:
 
 def _drift_row(name: str, ours: drift.Run, ref: drift.Run, greedy: drift.Run | None,
                base: drift.Run) -> list[str]:
-    gaps = torch.tensor([abs(x - y) for a, b in zip(ours.logprobs, ref.logprobs, strict=True)
-                         for x, y in zip(a, b, strict=True)])
-    cells = [name, f"{float(gaps.mean()):.4f}", f"{float(gaps.quantile(0.99)):.3f}",
-             f"{float(gaps.max()):.3f}"]
+    cells = [name, *drift.gap_cells(ours, ref)]
     if greedy is None:
         return [*cells, "", "", ""]
-    top1 = [x == y for a, b in zip(ours.top, base.fed, strict=True)
-            for x, y in zip(a, b, strict=True)]
-    shared = [drift.shared(a, b) for a, b in zip(greedy.fed, base.fed, strict=True)]
-    return [*cells, f"{sum(top1) / len(top1):.1%}", f"{statistics.mean(shared):.1f}",
-            f"{sum(s == len(base.fed[0]) for s in shared)}/{len(shared)}"]
+    return [*cells, drift.top1(ours, base), *drift.shared_cells(greedy, base)]
 
 
 def drift_table(path: Path, tokens: int) -> Table:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                  add_generation_prompt=True, return_dict=False))
-               for q in QUESTIONS]
+    prompts = drift.chat_prompts(path, QUESTIONS)
     bf16 = drift.decode(_runner(path, "bf16"), prompts, tokens)
     forced: dict[str, drift.Run] = {}
     greedy: dict[str, drift.Run] = {}
@@ -111,51 +98,17 @@ def _engine(path: Path, config: str, batch: int, context: int, steps: int,
     """An engine holding `batch` requests of `context` random prompt tokens, not yet run, and
     its model's MiB of weights."""
     runner = _runner(path, config)
-    length = context + steps + PAGE  # the warm-up steps and the timed ones, and a spare page
-    engine = Engine(runner, KVPool(runner.kv_shape, batch * -(-length // PAGE), PAGE),
-                    EngineConfig(max_running=batch, max_step_tokens=512, max_model_len=length,
-                                 page_size=PAGE, prefix_caching=False,
-                                 threads=ThreadPolicy(threads, pinned=True)),
-                    eos_token_ids=())
-    rng = random.Random(batch)
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
-        engine.add(GenerateRequest(id=f"q-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
-                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
+    engine = harness.around(runner, batch, context + steps, PAGE, threads)
+    harness.add_random(engine, batch, context, seed=batch)
     return engine, runner.weight_bytes() / 2**20
-
-
-def _prefilling(engine: Engine) -> bool:
-    scheduler = engine.scheduler
-    return bool(scheduler.waiting) or any(s.num_computed < len(s.tokens) - 1
-                                          for s in scheduler.running.values())
-
-
-def _timed_step(engine: Engine) -> float:
-    t0 = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - t0
 
 
 def _speeds(engines: list[Engine], batch: int, context: int, steps: int
             ) -> list[tuple[float, float]]:
-    """Decode and prefill tokens/s of each engine. Their steps take turns, so that a change
-    in the machine's load falls on every configuration alike."""
-    prefill = [0.0] * len(engines)
-    while any(_prefilling(e) for e in engines):
-        for i, engine in enumerate(engines):
-            if _prefilling(engine):
-                prefill[i] += _timed_step(engine)
-    for _ in range(3):  # oneDNN builds its kernels for a new batch shape on first use
-        for engine in engines:
-            engine.step()
-    decode: list[list[float]] = [[] for _ in engines]
-    for _ in range(steps):
-        for i, engine in enumerate(engines):
-            decode[i].append(_timed_step(engine))
-    return [(batch / statistics.median(d), batch * context / p)
-            for d, p in zip(decode, prefill, strict=True)]
+    """Decode and prefill tokens/s of each engine, their steps taking turns."""
+    prefills, times = harness.take_turns(engines, steps)
+    return [(batch / statistics.median(d[0]), batch * context / p)
+            for d, p in zip(times, prefills, strict=True)]
 
 
 def speed_table(path: Path, batches: list[int], context: int, steps: int,

@@ -24,33 +24,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
-import orjson
 import redis
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.client import TOPICS, body, stream
+from ops.benchmarks.harness.stack import NO_AUTH, UNBOUNDED_QUEUE, Processes, redis_cpu
+from ops.benchmarks.harness.stack import redis_url as stack_redis_url
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
-TOPICS = ("a lighthouse keeper", "the first winter on Mars", "a clockmaker's apprentice",
-          "a river that flows uphill", "a dragon who hoards books", "the last train home",
-          "a detective in Venice", "an orchard at night", "a robot learning to paint",
-          "two rival bakers", "a storm over the prairie", "a lost violin")
 COMMANDS_PER_TOKEN_TARGET = 1.1
 CPU_MS_PER_1K_TARGET = 10.0
 # The benchmark's own commands inside the window: the RESETSTAT that opens it (INFO
@@ -91,11 +82,6 @@ class Window:
         return self.cpu_s * 1e6 / self.tokens if self.tokens else float("inf")
 
 
-def _redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def _commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
     stats: dict[str, tuple[int, float]] = {}
     for key, value in r.info("commandstats").items():
@@ -111,22 +97,12 @@ async def _client(client: httpx.AsyncClient, i: int, requests: int,
     """`requests` streaming completions back to back; the tokens their usage chunks report."""
     tokens = 0
     for n in range(requests):
-        body = {"model": DEFAULT_MODEL, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                "prompt": f"Once upon a time, {TOPICS[i % len(TOPICS)]} (story {i}.{n})"}
-        usage = None
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = orjson.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]["completion_tokens"]
-        if usage is None:
+        prompt = f"Once upon a time, {TOPICS[i % len(TOPICS)]} (story {i}.{n})"
+        reply = await stream(client, "", body(DEFAULT_MODEL, max_tokens, prompt=prompt,
+                                              ignore_eos=True))
+        if reply.usage is None:
             raise RuntimeError("a stream ended without its usage chunk")
-        tokens += int(usage)
+        tokens += reply.tokens
     return tokens
 
 
@@ -140,89 +116,33 @@ async def _load(url: str, streams: int, requests: int, max_tokens: int) -> int:
 
 def idle_rate(r: redis.Redis, seconds: float = IDLE_S) -> float:
     """Redis CPU seconds per second while the stack is up but idle."""
-    before = _redis_cpu(r)
+    before = redis_cpu(r)
     time.sleep(seconds)
-    return (_redis_cpu(r) - before) / seconds
+    return (redis_cpu(r) - before) / seconds
 
 
 def measure(r: redis.Redis, url: str, args: argparse.Namespace, max_tokens: int) -> Window:
     idle = idle_rate(r)
-    cpu_before = _redis_cpu(r)
+    cpu_before = redis_cpu(r)
     r.config_resetstat()
     t0 = time.perf_counter()
     tokens = asyncio.run(_load(url, args.streams, args.requests, max_tokens))
     seconds = time.perf_counter() - t0
     time.sleep(SETTLE_S)
     commands = _commandstats(r)
-    cpu_s = _redis_cpu(r) - cpu_before
+    cpu_s = redis_cpu(r) - cpu_before
     return Window(max_tokens, tokens, args.streams * args.requests, seconds, cpu_s, commands,
                   idle)
 
 
-class Serving:
-    """One `redserve api` and one `redserve worker` against `redis_url`, logging to files."""
-
-    def __init__(self, redis_url: str, model_path: Path, step_ms: float | None) -> None:
-        env = {**os.environ, "REDIS_URL": redis_url,
-               "REDSERVE_KEY_PREFIX": f"bench-redis-{uuid.uuid4().hex[:6]}",
-               "REDSERVE_MAX_RUNNING": "32", "REDSERVE_MAX_QUEUED_REQUESTS": "100000",
-               # A replica on loopback, for this benchmark's load generator only.
-               "REDSERVE_NO_AUTH": "true", "REDSERVE_API_KEYS": ""}
-        if step_ms is not None:
-            env["REDSERVE_SYNTHETIC_STEP_MS"] = str(step_ms)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logs = Path(tempfile.mkdtemp(prefix="bench-redis-"))  # kept if the start fails
-        self.failed = False
-        me = [sys.executable, "-m", "ops.cli"]
-        model = ["--model", str(model_path), "--served-model-name", DEFAULT_MODEL]
-        self._files: list[IO[bytes]] = []
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for name, cmd in (("worker", [*me, "worker", *model]),
-                          ("api", [*me, "api", "--host", "127.0.0.1", "--port", str(self.port),
-                                   *model])):
-            log = open(self.logs / f"{name}.log", "wb")  # closed in stop()
-            self._files.append(log)
-            self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log,
-                                                stderr=subprocess.STDOUT)
-
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs.values())
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        if not wait_healthy(self.url, self.alive, timeout):
-            raise RuntimeError(self._failure("no /health 200"))
-        while time.monotonic() < deadline and self.alive():
-            try:  # 200 means a live worker serves the model (the body's format may change)
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(self._failure("no /ready 200"))
-
-    def _failure(self, what: str) -> str:
-        self.failed = True
-        tails = [f"--- {p.name} (last lines) ---\n"
-                 + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                 for p in sorted(self.logs.glob("*.log"))]
-        return f"the api and worker did not start ({what}); logs in {self.logs}\n" + "\n".join(
-            tails)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in self._files:
-            f.close()
-        if not self.failed:
-            shutil.rmtree(self.logs, ignore_errors=True)
+def _serving(redis_url: str, model: Path, step_ms: float | None) -> tuple[Processes, str]:
+    """One `redserve api` and one `redserve worker` against `redis_url`; the replica's URL."""
+    env = {**NO_AUTH, **UNBOUNDED_QUEUE, "REDSERVE_MAX_RUNNING": "32"}
+    if step_ms is not None:
+        env["REDSERVE_SYNTHETIC_STEP_MS"] = str(step_ms)
+    procs = Processes(redis_url, model, env=env, name="bench-redis")
+    procs.worker()
+    return procs, procs.api()
 
 
 def _server_version(r: redis.Redis) -> str:
@@ -247,42 +167,34 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
-    embedded = None
-    if args.redis_url is None:
-        embedded = EmbeddedRedis()
-        redis_url = embedded.start()
-    else:
-        redis_url = args.redis_url
+    if args.redis_url is not None:
+        os.environ["REDIS_URL"] = args.redis_url  # the harness's Redis: this one
         console.print(f"[bold yellow]warning:[/] CONFIG RESETSTAT resets the command statistics "
-                      f"of {redis_url}, and anything else it serves adds to the figures")
-    serving = None
+                      f"of {args.redis_url}, and anything else it serves adds to the figures")
+    else:
+        os.environ.pop("REDIS_URL", None)  # an embedded Valkey: its stats are this run's alone
     windows: list[Window] = []
-    r = redis.Redis.from_url(redis_url)
-    try:
+    with stack_redis_url() as redis_url, redis.Redis.from_url(redis_url) as r:
         r.ping()  # connect now: no handshake commands inside a window
         model = resolve_model(DEFAULT_MODEL, Settings().cache_dir)
         console.print(describe())
         what = (f"synthetic model, {args.synthetic_step_ms:g} ms a step"
                 if args.synthetic_step_ms is not None else f"{DEFAULT_MODEL} ({model.path})")
-        console.print(f"Redis: {_server_version(r)} ({'embedded' if embedded else redis_url})"
+        where = redis_url if args.redis_url else "embedded"
+        console.print(f"Redis: {_server_version(r)} ({where})"
                       f"\nload: {args.streams} streams x {args.requests} requests, max_tokens "
                       f"{' '.join(map(str, args.max_tokens))}\nmodel: {what}")
-        serving = Serving(redis_url, model.path, args.synthetic_step_ms)
-        with console.status("starting redserve api and worker"):
-            serving.wait_ready(args.startup_timeout)
-        with console.status("warm-up"):
-            asyncio.run(_load(serving.url, 4, 1, 8))
-        for max_tokens in args.max_tokens:
-            with console.status(f"{args.streams} streams x {args.requests} requests x "
-                                f"{max_tokens} tokens"):
-                windows.append(measure(r, serving.url, args, max_tokens))
-            _report(console, args, windows[-1])
-    finally:
-        if serving is not None:
-            serving.stop()
-        r.close()
-        if embedded is not None:
-            embedded.stop()
+        procs, api = _serving(redis_url, model.path, args.synthetic_step_ms)
+        with procs:
+            with console.status("starting redserve api and worker"):
+                procs.wait_ready(api, timeout=args.startup_timeout)
+            with console.status("warm-up"):
+                asyncio.run(_load(api, 4, 1, 8))
+            for max_tokens in args.max_tokens:
+                with console.status(f"{args.streams} streams x {args.requests} requests x "
+                                    f"{max_tokens} tokens"):
+                    windows.append(measure(r, api, args, max_tokens))
+                _report(console, args, windows[-1])
     _targets(console, windows)
 
 

@@ -15,7 +15,10 @@ Every figure is measured in this run on this machine, each server alone on it (t
   p50/p99 and inter-token latency p50 as the clients saw them, and each server's peak RSS
   (every process of it: API, worker, Redis).
 - one stream, 128 tokens: decode tokens/s through HTTP for redserve and vLLM, and
-  transformers `generate` in this process at its best dtype.
+  transformers `generate` in this process at its best dtype; redserve's time to first token
+  beside `generate`'s (a one-token generate).
+- start-up: each server's seconds from its launch to its first answered request (`--cold`:
+  redserve on an empty model cache, so the model's conversion is included).
 - a 2,000-token prompt: redserve's time to first token through HTTP against one transformers
   forward pass over the same tokens at its best dtype.
 Targets: against the best `transformers serve` setting >= 2.5x its tokens/s and <= 1/3 of its
@@ -29,17 +32,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import httpx
-import orjson
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.client import TOPICS, body, percentile, stream
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import (
     Server,
@@ -49,14 +53,8 @@ from ops.benchmarks.peers import (
     transformers_serve,
     vllm_serve,
 )
-from ops.benchmarks.single import generate_timing
 from ops.console import make_console
 from shared.settings import DEFAULT_MODEL
-
-TOPICS = ("a lighthouse keeper", "the first winter on Mars", "a clockmaker's apprentice",
-          "a river that flows uphill", "a dragon who hoards books", "the last train home",
-          "a detective in Venice", "an orchard at night", "a robot learning to paint",
-          "two rival bakers", "a storm over the prairie", "a lost violin")
 
 
 @dataclass
@@ -66,6 +64,7 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     rss_mib: float = 0.0
+    startup_s: float = 0.0  # from the server's launch to its first answered request
     empty: int = 0  # streams that ended without any text (counted, not timed)
 
     @property
@@ -73,35 +72,15 @@ class Load:
         return self.tokens / self.seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def _stream(client: httpx.AsyncClient, server: Server, content: str, max_tokens: int,
                   load: Load) -> None:
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage = 0
-    async with client.stream("POST", server.url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-    load.tokens += usage or len(times)
-    if not times:
+    reply = await stream(client, server.base, body(server.model, max_tokens, content=content))
+    load.tokens += reply.tokens
+    if reply.ttft is None:
         load.empty += 1
         return
-    load.ttft.append(times[0] - t0)
-    load.itl += [b - a for a, b in itertools.pairwise(times)]
+    load.ttft.append(reply.ttft)
+    load.itl += reply.itl
 
 
 async def run_load(server: Server, streams: int, max_tokens: int, prompt: str | None) -> Load:
@@ -120,21 +99,41 @@ async def run_load(server: Server, streams: int, max_tokens: int, prompt: str | 
 def measure(start: Callable[[], Server], runs: list[tuple[int, int, str | None]]) -> list[Load]:
     server = start()
     try:
-        server.wait()
+        startup = server.wait()
         asyncio.run(run_load(server, 4, 8, None))  # warm-up
         loads = [asyncio.run(run_load(server, n, m, p)) for n, m, p in runs]
+        loads[0].startup_s = startup
         for load in loads:
             load.rss_mib = server.rss()
             if load.empty:
-                print(f"{server.url}: {load.empty} of a load's streams ended without text")
+                print(f"{server.base}: {load.empty} of a load's streams ended without text")
         return loads
     finally:
         server.stop()
 
 
-def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float]:
-    """transformers in this process: decode tokens/s of `generate` on one chat prompt, and the
-    seconds of one forward pass over `long_ids` (best of three)."""
+def generate_timing(model: Any, ids: Any, max_tokens: int) -> tuple[float, float]:
+    """transformers `generate` on one prompt (`ids`, a tensor), greedy: seconds to the first
+    token (a one-token generate after a warm-up), and decode tokens/s over `max_tokens`."""
+    import torch
+
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                       min_new_tokens=max_tokens, do_sample=False)
+        total = time.perf_counter() - t0
+    return ttft, (max_tokens - 1) / (total - ttft)
+
+
+def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float, float]:
+    """transformers in this process: decode tokens/s of `generate` on one chat prompt, the
+    seconds of one forward pass over `long_ids` (best of three), and `generate`'s seconds to
+    its first token on that chat prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,7 +143,7 @@ def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float]
     ids = torch.tensor([tok.apply_chat_template(
         [{"role": "user", "content": f"Write a long story about {TOPICS[0]}."}],
         add_generation_prompt=True, return_dict=False)])
-    _, rate = generate_timing(model, ids, max_tokens)
+    first, rate = generate_timing(model, ids, max_tokens)
     with torch.inference_mode():
         long = torch.tensor([long_ids])
         forward = []
@@ -152,7 +151,7 @@ def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float]
             t0 = time.perf_counter()
             model(long, use_cache=False, logits_to_keep=1)
             forward.append(time.perf_counter() - t0)
-    return rate, min(forward)
+    return rate, min(forward), first
 
 
 def _long_prompt(n: int) -> tuple[str, list[int]]:
@@ -185,6 +184,9 @@ def main() -> None:
                          "alone, no ratios)")
     ap.add_argument("--variant", action="append", default=[], metavar="ENV",
                     help="another redserve run with these NAME=VALUE settings")
+    ap.add_argument("--cold", action="store_true",
+                    help="redserve starts on an empty model cache: its start-up includes the "
+                         "model's conversion")
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
@@ -202,7 +204,9 @@ def main() -> None:
                 starts[f"vLLM CPU {dtype}, bind {bind}"] = (
                     partial(vllm_serve, args.vllm_python, dtype, bind), runs[:2])
     ours = f"redserve {args.redserve_dtype}"
-    starts[ours] = (partial(redserve, args.redserve_dtype), runs)
+    cold = tempfile.TemporaryDirectory() if args.cold else None
+    first = {"REDSERVE_CACHE_DIR": cold.name} if cold is not None else None
+    starts[ours] = (partial(redserve, args.redserve_dtype, first), runs)
     for variant in args.variant:
         env = dict(kv.split("=", 1) for kv in variant.split())
         starts[f"redserve {args.redserve_dtype} {variant}"] = (
@@ -211,7 +215,9 @@ def main() -> None:
     for name, (start, its_runs) in starts.items():
         with console.status(name):
             results[name] = measure(start, its_runs)
-    hf: dict[str, tuple[float, float]] = {}
+    if cold is not None:
+        cold.cleanup()
+    hf: dict[str, tuple[float, float, float]] = {}
     if args.peers:
         for dtype in args.dtypes:
             with console.status(f"transformers generate and forward, {dtype}"):
@@ -229,12 +235,12 @@ def _verdict(ok: bool) -> str:
 
 
 def _report(console: Console, args: argparse.Namespace, ours_name: str,
-            results: dict[str, list[Load]], hf: dict[str, tuple[float, float]],
+            results: dict[str, list[Load]], hf: dict[str, tuple[float, float, float]],
             long_len: int) -> None:
     table = Table(title=f"{args.streams} streams x {args.max_tokens} tokens, {DEFAULT_MODEL}, "
                         "greedy, through HTTP; then one stream x 128")
     for col in ("server", "tokens", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                "peak RSS MiB", "one stream tokens/s"):
+                "peak RSS MiB", "one stream tokens/s", "start-up s"):
         table.add_column(col)
     for name, loads in results.items():
         load = loads[0]
@@ -242,7 +248,8 @@ def _report(console: Console, args: argparse.Namespace, ours_name: str,
                       f"{percentile(load.ttft, 0.5) * 1e3:.0f}",
                       f"{percentile(load.ttft, 0.99) * 1e3:.0f}",
                       f"{percentile(load.itl or [0.0], 0.5) * 1e3:.1f}", f"{load.rss_mib:.0f}",
-                      f"{_decode_rate(loads[1]):.1f}" if len(loads) > 1 else "")
+                      f"{_decode_rate(loads[1]):.1f}" if len(loads) > 1 else "",
+                      f"{load.startup_s:.1f}")
     console.print(table)
     ours = results[ours_name]
     ttft = percentile(ours[0].ttft, 0.5)
@@ -267,14 +274,16 @@ def _report(console: Console, args: argparse.Namespace, ours_name: str,
     ratio = decode / hf[hf_best][0]
     console.print(f"one stream: redserve {decode:.1f} decode tokens/s, transformers generate "
                   f"{hf[hf_best][0]:.1f} ({hf_best}): {ratio:.2f}x (target >= 2x: "
-                  f"{_verdict(ratio >= 2)}); peak RSS {ours[1].rss_mib:.0f} MiB")
+                  f"{_verdict(ratio >= 2)}); peak RSS {ours[1].rss_mib:.0f} MiB; TTFT "
+                  f"{ours[1].ttft[0] * 1e3:.0f} ms, generate's "
+                  f"{hf[hf_best][2] * 1e3:.0f} ms")
     fwd_best = min(hf, key=lambda d: hf[d][1])
     first = ours[2].ttft[0]
     ratio = first / hf[fwd_best][1]
     console.print(f"{long_len}-token prompt: redserve TTFT {first * 1e3:.0f} ms, one "
                   f"transformers forward {hf[fwd_best][1] * 1e3:.0f} ms ({fwd_best}): "
                   f"{ratio:.2f}x (target <= 1.2x: {_verdict(ratio <= 1.2)})")
-    for d, (rate, fwd) in hf.items():
+    for d, (rate, fwd, _) in hf.items():
         console.print(f"  transformers {d}: generate {rate:.1f} tokens/s, forward "
                       f"{fwd * 1e3:.0f} ms")
 

@@ -26,13 +26,16 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import orjson
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from ops.benchmarks.harness import engine as harness
+from ops.benchmarks.harness import stack
+from ops.benchmarks.harness.client import body as client_body
+from ops.benchmarks.harness.client import stream
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import SamplingParams
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, WorkerSettings
 from worker.engine.engine import Engine
@@ -108,9 +111,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, specul
     for b, batch in enumerate(batches):
         for i, prompt in enumerate(batch):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculate=speculate)
-            engine.add(GenerateRequest(id=f"{b}-{i}", model="m", prompt_ids=tuple(prompt),
-                                       params=params, created=time.time(), queue_deadline=0.0,
-                                       deadline=0.0))
+            engine.add(harness.request(f"{b}-{i}", prompt, params))
         while engine.scheduler.has_work():
             for out in engine.step():
                 if out.token is not None:
@@ -123,39 +124,25 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, specul
 def _served(prompts: list[str], max_tokens: int, streams: int, repeats: int, dtype: str
             ) -> dict[str, tuple[float, float]]:
     """tokens/s on and off through `redserve up` (its defaults: speculation ngram)."""
-    from ops.benchmarks.serve import redserve
-
-    server = redserve(dtype)
-    try:
+    with stack.up("--dtype", dtype) as server:
         server.wait()
         figures: dict[str, tuple[float, float]] = {}
         for name, n in (("1 stream, grounded", 1), (f"{streams} streams, grounded", streams)):
             rates: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(repeats):
                 for on in (True, False):
-                    rates[on].append(asyncio.run(_http_load(server.url, server.model, prompts,
-                                                            n, max_tokens, on)))
+                    rates[on].append(asyncio.run(_http_load(server.base, prompts, n,
+                                                            max_tokens, on)))
             figures[name] = (statistics.median(rates[True]), statistics.median(rates[False]))
         return figures
-    finally:
-        server.stop()
 
 
-async def _http_load(url: str, model: str, prompts: list[str], streams: int, max_tokens: int,
+async def _http_load(base: str, prompts: list[str], streams: int, max_tokens: int,
                      speculate: bool) -> float:
     """Output tokens/s of `streams` concurrent streams (one: the prompts one by one)."""
     async def one(client: httpx.AsyncClient, content: str) -> int:
-        body = {"model": model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "speculation": speculate}
-        async with client.stream("POST", url, json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    usage = orjson.loads(line[6:]).get("usage")
-                    if usage:
-                        return int(usage["completion_tokens"])
-        return 0
+        request = client_body(DEFAULT_MODEL, max_tokens, content=content, speculation=speculate)
+        return (await stream(client, base, request)).tokens
 
     async with httpx.AsyncClient(timeout=900) as client:
         t0 = time.perf_counter()
@@ -176,12 +163,9 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="also through `redserve up`")
     args = ap.parse_args()
     console = make_console()
-    from worker.engine.build import build_engine
-
-    settings = WorkerSettings(device="cpu", dtype=args.dtype, max_running=args.streams,
-                              kv_cache_memory=2 * 1024**3, speculation="ngram")
-    info = resolve_model(DEFAULT_MODEL, settings.cache_dir)
-    engine = build_engine(info, settings)
+    engine = harness.built(dtype=args.dtype, max_running=args.streams,
+                           kv_cache_memory=2 * 1024**3, speculation="ngram")
+    info = resolve_model(DEFAULT_MODEL, WorkerSettings().cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
 
     def chat(text: str) -> list[int]:
@@ -193,7 +177,7 @@ def main() -> None:
     crowd = [grounded[i % len(grounded)] for i in range(args.streams)]
     console.print(describe())
     console.print(f"{DEFAULT_MODEL}, {engine.runner.kv_shape.dtype}, greedy, "
-                  f"{settings.speculative_tokens} draft tokens at most, medians of "
+                  f"{WorkerSettings().speculative_tokens} draft tokens at most, medians of "
                   f"{args.repeats}")
     run_engine(engine, grounded[:1] + plain[:1], 16, True, together=True)  # warm-up
     table = Table(title="speculative decoding (prompt lookup), engine")

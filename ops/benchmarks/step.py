@@ -28,7 +28,6 @@ step's % of that roofline.
 from __future__ import annotations
 
 import argparse
-import random
 import resource
 import statistics
 import time
@@ -38,12 +37,12 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.benchmarks.roofline import Machine, StepCost, measure_machine, mlp_shape, step_cost
 from ops.console import make_console
-from shared.messages import GenerateRequest, SamplingParams
-from shared.models import resolve_model
-from shared.settings import DEFAULT_MODEL, WorkerSettings
+from shared.messages import SamplingParams
+from shared.settings import DEFAULT_MODEL
 from worker.engine.engine import Engine
 from worker.engine.sampler import Row, sample
 from worker.engine.threads import usable_cpus
@@ -72,26 +71,15 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
 
 
 def _engine(dtype: str, batch: int, config: str, threads: int) -> Engine:
-    from worker.engine.build import build_engine
-
     kernels, invariant = CONFIGS[config]
-    settings = WorkerSettings(device="cpu", dtype=dtype, max_running=batch,  # type: ignore[arg-type]
-                        kv_cache_memory=2 * 1024**3, kernels=kernels,  # type: ignore[arg-type]
-                        batch_invariant=invariant, threads=threads, decode_threads=threads)
-    return build_engine(resolve_model(DEFAULT_MODEL, settings.cache_dir), settings)
+    return harness.built(dtype=dtype, max_running=batch, kv_cache_memory=2 * 1024**3,
+                         kernels=kernels, batch_invariant=invariant, threads=threads,
+                         decode_threads=threads)
 
 
 def _fill(engine: Engine, batch: int, context: int) -> None:
-    rng = random.Random(batch)
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
-        engine.add(GenerateRequest(id=f"s-{i}", model=DEFAULT_MODEL, prompt_ids=prompt,
-                                   created=0.0, queue_deadline=0.0, deadline=0.0, params=params))
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_computed < len(s.tokens) - 1
-                                   for s in scheduler.running.values()):
-        engine.step()
+    harness.add_random(engine, batch, context, seed=batch)
+    harness.prefill(engine)
 
 
 def _linear_ms(engine: Engine, batch: int, steps: int) -> float:

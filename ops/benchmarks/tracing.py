@@ -13,11 +13,11 @@ Tracing is opt-in (shared/tracing.py, docs/observability.md#traces); the target 
 costs nothing and on, every request sampled (`OTEL_TRACES_SAMPLER=always_on`), a load keeps >=
 0.95x of its output tokens/s. The load is serve.py's: `--streams` concurrent chat streams of up
 to `--max-tokens` tokens through HTTP, greedy, the default model. The spans go over OTLP/HTTP
-to a receiver in this process (ops/otlp_receiver.py), which answers at once and keeps them, so
-an export costs what it costs against a collector that keeps up; the run counts what it kept,
-to check that every request sent spans. Off and on alternate, `--rounds` times each, each round
-on a fresh `redserve up` after a warm-up, so a drift of the machine falls on both; each round's
-figure is printed, and the ratio is of the medians.
+to a receiver in this process (ops/testkit/otlp_receiver.py), which answers at once and keeps
+them, so an export costs what it costs against a collector that keeps up; the run counts what
+it kept, to check that every request sent spans. Off and on alternate, `--rounds` times each,
+each round on a fresh `redserve up` after a warm-up, so a drift of the machine falls on both;
+each round's figure is printed, and the ratio is of the medians.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import statistics
 
 from rich.table import Table
 
+from ops.benchmarks.harness.client import percentile
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import redserve
-from ops.benchmarks.serve import Load, percentile, run_load
+from ops.benchmarks.serve import Load, run_load
 from ops.console import make_console
-from ops.otlp_receiver import OTLPReceiver
+from ops.testkit.otlp_receiver import OTLPReceiver
 from shared.settings import DEFAULT_MODEL
 
 

@@ -5,5 +5,5 @@ request's hash and result stream, each model's queue and request stream, each wo
 heartbeat. Reading those, rather than asking every replica and worker over HTTP, sees all of
 them at once, from anywhere that reaches Redis, including replicas that are gone.
 `keyspace.py` finds the keys, `snapshot.py` reads them into one `Snapshot`, `render.py` draws
-it, `cli.py` is the command.
+it, `inspect_command.py` is the command (its options and entry point).
 """

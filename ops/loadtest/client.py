@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,25 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: Prompt, index:
         return failed(f"{type(e).__name__}: {e}")
 
 
+async def read_events(reply: httpx.Response) -> AsyncIterator[tuple[float, list[Event]]]:
+    """The reply's SSE events, one batch per network read that brought any, stamped when that
+    read arrived (`time.perf_counter`). The one SSE reader of ops/: the developer benchmarks
+    read their streams through it too."""
+    pending = b""
+    async for data in reply.aiter_bytes():
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        events = []
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload != b"[DONE]":
+                events.append(parse_event(payload))
+        if events:
+            yield now, events
+
+
 async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, index: int,
                   start: float, run_start: float, tokenizer: Tokenizer) -> RequestRecord:
     stamps: list[float] = []
@@ -150,18 +170,9 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, ind
     async with client.stream("POST", target.url, content=request_body(target, prompt)) as reply:
         if reply.status_code != 200:
             raise StreamError(error_text(reply.status_code, await reply.aread()))
-        pending = b""
-        async for data in reply.aiter_bytes():
-            now = time.perf_counter()
-            *lines, pending = (pending + data).split(b"\n")
+        async for now, events in read_events(reply):
             fresh = False
-            for line in lines:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    continue
-                event = parse_event(payload)
+            for event in events:
                 if event.usage is not None:
                     usage = event.usage
                 if event.text:

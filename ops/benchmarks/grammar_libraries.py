@@ -1,6 +1,6 @@
 """Which grammar library should constrain `response_format` and tool calls: measured, not guessed.
 
-    python -m ops.benchmarks.grammar [--model SmolLM2-135M-Instruct] [--reps 5]
+    python -m ops.benchmarks.grammar_libraries [--model SmolLM2-135M-Instruct] [--reps 5]
 
 Structured output costs the server in three places: once per tokenizer (building the library's
 view of the vocabulary), once per request schema (compiling it into a matcher; a cache can hide

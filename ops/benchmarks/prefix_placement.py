@@ -1,7 +1,7 @@
 """Prefix-aware placement, measured: two workers, a burst of requests sharing a few long system
 prompts, placed at random and then by prefix (api/placement.py), side by side in one run.
 
-    python -m ops.benchmarks.placement [--model M] [--prompts 8] [--requests 64]
+    python -m ops.benchmarks.prefix_placement [--model M] [--prompts 8] [--requests 64]
                               [--prefix-tokens 1000] [--max-tokens 8] [--threads 1]
                               [--concurrency 8] [--kv-cache-memory BYTES]
 
@@ -27,27 +27,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
-import orjson
 from rich.console import Console
 from rich.table import Table
 
+from ops.benchmarks.harness.client import body, stream
+from ops.benchmarks.harness.stack import NO_AUTH, Processes, redis_url
 from ops.benchmarks.machine import describe
 from ops.console import make_console
-from ops.embedded_redis import EmbeddedRedis, free_port
-from ops.probe import wait_healthy
+from ops.loadtest.client import StreamError
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
 
@@ -75,55 +68,16 @@ class Mode:
         return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
-class Stack:
-    """One API replica and two workers, under a key prefix of their own."""
-
-    def __init__(self, redis_url: str, model: Path, name: str, mode: str,
-                 args: argparse.Namespace) -> None:
-        self.env = {**os.environ, "REDIS_URL": redis_url, "REDSERVE_NO_AUTH": "true",
-                    "REDSERVE_KEY_PREFIX": f"bench-place-{uuid.uuid4().hex[:6]}"}
-        self.model = ["--model", str(model), "--served-model-name", name]
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logs = Path(tempfile.mkdtemp(prefix=f"bench-place-{mode}-"))
-        self._files: list[IO[bytes]] = []
-        threads = ["--threads", str(args.threads), "--decode-threads", str(args.threads)]
-        if args.kv_cache_memory:
-            threads += ["--kv-cache-memory", f"{args.kv_cache_memory:g}"]
-        self.procs = [self._spawn(f"worker-{i}", ["worker", *threads]) for i in range(WORKERS)]
-        self.procs.append(self._spawn("api", ["api", "--host", "127.0.0.1", "--port",
-                                              str(self.port), "--placement", mode]))
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")  # closed in stop()
-        self._files.append(log)
-        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args, *self.model],
-                                env=self.env, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout: float) -> None:
-        """Until the replica answers and sees both workers (and has read their summaries)."""
-        alive = lambda: all(p.poll() is None for p in self.procs)  # noqa: E731
-        deadline = time.monotonic() + timeout
-        if not wait_healthy(self.url, alive, timeout):
-            raise RuntimeError(f"the API did not start; logs in {self.logs}")
-        while time.monotonic() < deadline and alive():
-            with contextlib.suppress(httpx.HTTPError):
-                health = httpx.get(f"{self.url}/health", timeout=2).json()
-                if len(health.get("workers", {})) == WORKERS:
-                    time.sleep(2.0)  # the placement view refreshes about every second
-                    return
-            time.sleep(0.3)
-        raise RuntimeError(f"the workers did not start; logs in {self.logs}")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(60)
-        for f in self._files:
-            f.close()
+def _start(redis_url: str, model: Path, served: str, mode: str, args: argparse.Namespace
+           ) -> tuple[Processes, str]:
+    """One API replica placing by `mode` and two workers, under a key prefix of their own."""
+    procs = Processes(redis_url, model, served, env=NO_AUTH, name=f"bench-place-{mode}")
+    options = ["--threads", str(args.threads), "--decode-threads", str(args.threads)]
+    if args.kv_cache_memory:
+        options += ["--kv-cache-memory", f"{args.kv_cache_memory:g}"]
+    for i in range(WORKERS):
+        procs.worker(*options, name=f"worker-{i}")
+    return procs, procs.api("--placement", mode)
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -138,29 +92,20 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 
 async def _request(client: httpx.AsyncClient, mode: Mode, name: str, prompt: list[int],
                    max_tokens: int) -> None:
-    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    ttft = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            mode.failed += 1
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if ttft is None and event.get("choices"):
-                ttft = time.perf_counter() - started
-            usage = event.get("usage")
-            if usage:
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                mode.prompt_tokens += usage["prompt_tokens"]
-                mode.prefill_tokens += usage["prompt_tokens"] - cached
-    if ttft is None:
+    try:
+        reply = await stream(client, "", body(name, max_tokens, prompt=prompt, ignore_eos=True))
+    except StreamError:
+        mode.failed += 1
+        return
+    if reply.usage:
+        usage = reply.usage
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        mode.prompt_tokens += usage["prompt_tokens"]
+        mode.prefill_tokens += usage["prompt_tokens"] - cached
+    if reply.ttft is None:
         mode.failed += 1
     else:
-        mode.ttfts.append(ttft)
+        mode.ttfts.append(reply.ttft)
 
 
 async def _burst(url: str, mode: Mode, name: str, burst: list[list[int]], max_tokens: int,
@@ -204,10 +149,8 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
     console = make_console()
-    embedded = EmbeddedRedis()
-    redis_url = embedded.start()
     modes: list[Mode] = []
-    try:
+    with redis_url() as url:
         model = resolve_model(args.model, Settings().cache_dir)
         console.print(describe())
         pool = (f"{args.kv_cache_memory / 2**20:.0f} MiB" if args.kv_cache_memory
@@ -220,20 +163,17 @@ def main() -> None:
                          else f"{args.concurrency or 'all'} at a time"))
         burst = prompts(args)
         for name in ("random", "prefix"):
-            stack = Stack(redis_url, model.path, model.name, name, args)
-            try:
+            procs, api = _start(url, model.path, model.name, name, args)
+            with procs:
                 with console.status(f"starting the stack ({name})"):
-                    stack.wait(args.startup_timeout)
+                    procs.wait_ready(api, WORKERS, args.startup_timeout)
+                    time.sleep(2.0)  # the placement view refreshes about every second
                 modes.append(Mode(name))
                 with console.status(f"placement {name}: {args.requests} requests"):
-                    asyncio.run(_burst(stack.url, modes[-1], model.name, burst,
+                    asyncio.run(_burst(api, modes[-1], model.name, burst,
                                        args.max_tokens, args.concurrency, args.rate))
                 time.sleep(4.0)  # a heartbeat (the default TTL's third) with the last figures
-                modes[-1].read_spread(stack.url)
-            finally:
-                stack.stop()
-    finally:
-        embedded.stop()
+                modes[-1].read_spread(api)
     _report(console, modes)
 
 
