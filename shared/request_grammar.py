@@ -5,7 +5,7 @@ The replica turns what a client asks for (`response_format`, vLLM's `structured_
 tokenizer before the request is queued, so a bad schema is the client's 400, never a worker's
 failure. The worker compiles the same text into a matcher that masks each sampled token.
 
-llguidance was chosen by measurement (`ops/benchmarks/grammar.py`; docs/benchmarks.md): it
+llguidance was chosen by measurement (`ops/benchmarks/grammar_libraries.py`; docs/benchmarks.md): it
 compiles a schema cold in under a millisecond (xgrammar takes a few, outlines-core tens to
 thousands), so each request's grammar is compiled fresh; it needs no other package; and its
 Lark grammars embed JSON schemas, as forced tool calls need. Its masks are slower than

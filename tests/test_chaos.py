@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from ops.embedded_redis import EmbeddedRedis
 from ops.testkit.probe import scrape
-from shared import grammar
+from shared import request_grammar as grammar
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import (
     Error,

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from shared import grammar
+from shared import request_grammar as grammar
 from shared.messages import GenerateRequest, SamplingParams
 from worker.engine.constraint import Constraints
 from worker.engine.engine import AdmissionError, Engine, EngineConfig

@@ -27,7 +27,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from api.worker_watch import WorkerWatch
+from api.queue.worker_watch import WorkerWatch
 from shared.keys import Keys
 from shared.messages import RequestField
 from tests.stack import Stack, eventually

@@ -1,4 +1,4 @@
-"""Prefix-aware placement (api/placement.py) with real workers.
+"""Prefix-aware placement (api/queue/placement.py) with real workers.
 
 The worker and the API compute one public page-digest chain (shared/page_digest.py); a worker's
 prefix summary appears under `Keys.prefixes` with a TTL; with two workers, requests sharing a

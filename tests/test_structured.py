@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from api.protocol.bodies import ChatCompletionRequest
 from api.protocol.structured_output import requested
-from shared import grammar
+from shared import request_grammar as grammar
 from tests.stack import Stack
 
 MODEL = "tiny-llama"

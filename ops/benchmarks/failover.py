@@ -4,7 +4,7 @@
 
 On a loopback Valkey primary, one replica and three Sentinels (`ops/testkit/failover_lab.py`):
 
-1. **WAIT's cost.** `--calls` admissions through the replica's own `api.admission.Admission`
+1. **WAIT's cost.** `--calls` admissions through the replica's own `api.queue.admission.Admission`
    (the admission script, shared/scripts/admit.py, with a request of `--prompt-tokens` prompt
    tokens), one at a time, alternately without a WAIT and with `WAIT 1 100` in the same
    pipeline, as `REDSERVE_ADMISSION_WAIT_REPLICAS=1` sends it: p50 and p99 of each. On loopback
@@ -28,7 +28,7 @@ import time
 
 from rich.table import Table
 
-from api.admission import Admission, QueueLimits, Replication
+from api.queue.admission import Admission, QueueLimits, Replication
 from ops.console import make_console
 from ops.testkit.failover_lab import FailoverLab, LabConfig
 from shared.keys import Keys, new_request_id

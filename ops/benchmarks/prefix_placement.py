@@ -1,5 +1,5 @@
 """Prefix-aware placement, measured: two workers, a burst of requests sharing a few long system
-prompts, placed at random and then by prefix (api/placement.py), side by side in one run.
+prompts, placed at random and then by prefix (api/queue/placement.py), side by side in one run.
 
     python -m ops.benchmarks.prefix_placement [--model M] [--prompts 8] [--requests 64]
                               [--prefix-tokens 1000] [--max-tokens 8] [--threads 1]

@@ -1,4 +1,4 @@
-"""The stored `/v1/responses` replies (`api/responses_api/store.py`): how many there are, whose,
+"""The stored `/v1/responses` replies (`api/endpoints/responses/store.py`): how many there are, whose,
 and the memory they take, which grows with each chain (a response stores its whole
 conversation so far) and stays for the retention TTL, whatever happens to the requests.
 

@@ -31,7 +31,7 @@ log = logging.getLogger("redserve.worker")
 
 LOST_REDIS = Error("the worker lost its connection to Redis", "server_error", "redis_unavailable")
 # Longer than a failover takes at a `down-after-milliseconds` of 1 s; the same as the replicas'
-# (api/reader.py), which end their streams after it.
+# (api/queue/reader.py), which end their streams after it.
 RIDE_OUT_S = 2.5
 RIDE_OUT_RETRY_S = 0.1
 

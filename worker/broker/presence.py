@@ -6,7 +6,7 @@ Every `heartbeat_ttl_s / 3` seconds, in one place:
 - its prefix summary (`Keys.prefixes`: the public digests of the pages its prefix cache
   holds), rewritten only when it changed and otherwise only given a new TTL, so a worker whose
   cache is steady costs one EXPIRE a beat; the heartbeat carries the summary's version, so the
-  API replicas' placement (api/placement.py) re-reads it only then;
+  API replicas' placement (api/queue/placement.py) re-reads it only then;
 - its model's request stream TTL (the stream lives while a worker serves it);
 - the idle time of every entry it holds (see worker/broker/recovery.py), and, unless draining,
   a claim of entries abandoned by dead workers;

@@ -9,8 +9,8 @@ waited 0.5 s, or the last chunk is 0.5 s old (a token after a pause, a preemptio
 once), and the rest with the finish. So every token the record lacks came within 0.5 s and a
 step of the record's last entry, and is still in the feed (kept `FEED_RETENTION_S`): a worker
 taking over reads the record and then the feed just after it (worker/broker/recovery.py), a replica
-whose client fell behind waits for the record to catch up (api/reader.py), and a resumed
-stream reads the record as it grows (api/resume.py), so each continues exactly from what the
+whose client fell behind waits for the record to catch up (api/queue/reader.py), and a resumed
+stream reads the record as it grows (api/queue/replay.py), so each continues exactly from what the
 client saw.
 
 A chunk whose write fails is kept and written again with the next flush (the outbox, with

@@ -1,6 +1,6 @@
 """Grammar-constrained rows of a batch: each request's matcher, and the masks of one step.
 
-A constrained request carries its grammar (`shared.grammar`); the worker compiles it into an
+A constrained request carries its grammar (`shared.request_grammar`); the worker compiles it into an
 llguidance matcher that lives with the request's `Sequence`. The matcher has seen exactly the
 request's output tokens: a preempted request keeps it (its tokens are kept too), and a request
 resumed on another worker after a crash replays its published tokens into a fresh one, so the

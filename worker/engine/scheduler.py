@@ -20,7 +20,7 @@ engine is left with running a plan and sampling from its logits.
    next page another request of its tenant is computing (one that runs in this step) is held
    back (it keeps its place at the head of the queue and its running slot, and those behind
    it may go first) and takes the page from the cache once computed: requests arriving
-   together with a new shared prefix (placement sends them to one worker: api/placement.py)
+   together with a new shared prefix (placement sends them to one worker: api/queue/placement.py)
    compute it once, not once each.
 4. draft tokens for the decoding requests, as the `Proposer` (worker/engine/speculation/) offers
    them under its budget: each decode chunk then carries its drafts after its token, with
