@@ -331,8 +331,8 @@ def test_workers_scale_from_zero_on_their_models_queue() -> None:
 
     triggers = {t["name"]: t for t in scaled["triggers"]}
     assert set(triggers) == {"waiting", "outstanding"}
-    # Waiting requests, from the API Service (api/endpoints/status.py's /queue/<model>): the group's lag
-    # reads 0 while requests wait under the queue's consumer.
+    # Waiting requests, from the API Service (api/endpoints/status.py's /queue/<model>): the
+    # group's lag reads 0 while requests wait under the queue's consumer.
     waiting = triggers["waiting"]
     assert waiting["type"] == "metrics-api"
     service = docs[("Service", "redserve-api")]

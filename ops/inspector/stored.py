@@ -1,5 +1,5 @@
-"""The stored `/v1/responses` replies (`api/endpoints/responses/store.py`): how many there are, whose,
-and the memory they take, which grows with each chain (a response stores its whole
+"""The stored `/v1/responses` replies (`api/endpoints/responses/store.py`): how many there
+are, whose, and the memory they take, which grows with each chain (a response stores its whole
 conversation so far) and stays for the retention TTL, whatever happens to the requests.
 
 One HGET of the tenant field per response, and MEMORY USAGE of each while there are at most
