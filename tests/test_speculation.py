@@ -15,11 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from shared.messages import GenerateRequest, SamplingParams
 from tests.marks import KERNELS, needs_native_bf16
+from worker.engine.drafting.adaptive import PAUSE_STEPS, DraftLength
+from worker.engine.drafting.drafter import NgramIndex
 from worker.engine.engine import Engine, EngineConfig, StepOutput
 from worker.engine.kv_cache import KVPool
 from worker.engine.model_runner import ModelRunner
-from worker.engine.speculation.adaptive import PAUSE_STEPS, DraftLength
-from worker.engine.speculation.drafter import NgramIndex
 from worker.engine.speculation.speculator import SpeculationConfig
 
 PAGE_SIZE = {"torch": 4, "vllm-cpu": 16}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -32,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
+from worker.broker.clock import Clock
 from worker.engine.engine import Engine
 from worker.engine.scheduler import Admitted, SchedulerStats
 from worker.engine.speculation.speculator import SpeculationStats
@@ -51,21 +51,6 @@ ABORT_CAUSES = {
     "redis_unavailable": "redis_lost",
     "internal_error": "step_failed",
 }
-
-
-@dataclass
-class Clock:
-    """One request's times on this worker, from its admission until its terminal entry."""
-
-    created: float
-    queue_s: float | None  # None: resumed from another worker's tokens
-    admitted: float = 0.0  # when the engine scheduled its first step
-    cached: int = 0  # prompt tokens from the prefix cache
-    ttft_s: float | None = None
-    first: float | None = None  # when this worker's first tokens for it were written
-    last: float | None = None  # when its last tokens were written
-    ending: float | None = None  # when its terminal entry was staged
-    tokens: int = 0  # tokens this worker published for it
 
 
 # The scheduler's snapshot as gauges: (name, documentation, figure).

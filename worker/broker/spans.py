@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from shared import tracing
-from worker.broker.metrics import Clock
+from worker.broker.clock import Clock
 from worker.broker.recovery import Claimed
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shared.messages import Error, Finish, RequestHash, Tokens
-from worker.broker.metrics import Clock
+from worker.broker.clock import Clock
 
 
 @dataclass(frozen=True)

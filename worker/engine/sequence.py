@@ -14,7 +14,7 @@ import torch
 
 from shared.messages import GenerateRequest
 from worker.engine.constraint import Constraint
-from worker.engine.speculation.adaptive import Drafting
+from worker.engine.drafting.adaptive import Drafting
 
 
 # eq=False: a request is itself only (the scheduler finds and removes it by identity, and two

@@ -6,11 +6,12 @@ multiplies, so a request that feeds its last token and k guesses of the tokens t
 weight reads for k + 1 predictions. When the guesses are right, several tokens come out of one
 step. The guesses cost no model: a request that edits, repeats or extracts from its prompt
 (or repeats itself) mostly continues some earlier stretch of its own tokens, so the draft is
-what followed the most recent earlier occurrence of its last few tokens (`drafter.py`).
+what followed the most recent earlier occurrence of its last few tokens
+(`worker/engine/drafting/drafter.py`).
 
-- `drafter.NgramIndex`: the lookup, an n-gram index per request updated as tokens are
+- `drafting.drafter.NgramIndex`: the lookup, an n-gram index per request updated as tokens are
   appended, so a draft costs O(k), never a scan of the context;
-- `adaptive.DraftLength`: each request's draft length, following its recent acceptance;
+- `drafting.adaptive.DraftLength`: each request's draft length, following its recent acceptance;
 - `speculator.Speculator`: which requests draft how many tokens in a step (none for a
   constrained request, one that opted out, or once the step is large enough to be
   compute-bound), and the counters the metrics and the heartbeat show;

@@ -19,9 +19,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Literal
 
+from worker.engine.drafting.adaptive import Drafting, DraftLength
+from worker.engine.drafting.drafter import NgramIndex
 from worker.engine.sequence import Sequence
-from worker.engine.speculation.adaptive import Drafting, DraftLength
-from worker.engine.speculation.drafter import NgramIndex
 
 Method = Literal["ngram", "off"]
 DEFAULT_TOKENS = 5

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine.speculation.drafter import NgramIndex
+from worker.engine.drafting.drafter import NgramIndex
 
 SMOOTHING = 0.3  # weight of the latest verification in the moving average
 OFF_BELOW = 0.2  # accepted fraction under which a request pauses drafting
