@@ -83,7 +83,8 @@ class Stack:
 
     def _spawn(self, *args: str) -> None:
         named = ["--served-model-name", self.served_name] if self.served_name else []
-        self.spawn(*args, "--model", str(self.model), *named)
+        defaults = {k: v for k, v in _small_kv(self.model).items() if k not in self.env}
+        self.spawn(*args, "--model", str(self.model), *named, env=defaults)
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """`redserve <args>` in this stack's environment (`env` added to it), its output in
@@ -162,6 +163,18 @@ class Stack:
                 p.wait()
         for log in self.logs:
             log.unlink(missing_ok=True)
+
+
+# The tiny test models' KV pool: 64 MiB holds 64k of their tokens, where the default (1 GiB, for
+# real models) would take a gigabyte of memory per worker, and the parallel test processes'
+# stacks would not fit in the machine's memory.
+TINY_KV_BYTES = 64 * 1024**2
+
+
+def _small_kv(model: Path) -> dict[str, str]:
+    config = model / "config.json"
+    tiny = config.is_file() and json.loads(config.read_text()).get("hidden_size", 1 << 30) <= 256
+    return {"REDSERVE_KV_CACHE_MEMORY": str(TINY_KV_BYTES)} if tiny else {}
 
 
 def sync_client(url: str) -> redis.Redis:
