@@ -51,4 +51,4 @@ check: lint
 	$(BIN)/pytest -m "not processes"
 
 test: lint
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile

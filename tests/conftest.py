@@ -1,6 +1,16 @@
+"""The suite's shared fixtures, and its two tiers: `make check` runs every test that starts no
+process and runs no real model (unit and in-process tests: a few minutes), `make test` all of
+them, in parallel. A test is in the full tier only when it or a fixture it uses starts processes
+(`processes`, marked here by reading their code, so no test has to remember to say it) or runs
+the real SmolLM2 (`smollm2`, marked by hand)."""
+
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+import re
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -14,6 +24,45 @@ from tests.stack import Stack
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 SMOL = "SmolLM2-135M-Instruct"  # the name smol_stack serves SmolLM2 under
+
+# What starting a process looks like in a test, a fixture or a test module's helper.
+_STARTS_PROCESSES = re.compile(
+    r"\bStack\(|Popen|subprocess\.|create_subprocess_exec|FailoverLab\(|EmbeddedRedis\(|"
+    r"\.spawn\(|ResponsesStack\(|\bup\(")
+# Fixtures that start a process only where the machine lacks one: `redis_url` starts an embedded
+# server for the whole session when no Redis answers on 6379 (CI and this machine have one).
+_SHARED_SERVERS = {"redis_url", "sync_redis"}
+
+
+@functools.cache
+def _starts_processes(func: Callable[..., object]) -> bool:
+    """Whether `func`'s code, or that of a function of the tests it calls, starts a process."""
+    try:
+        if _STARTS_PROCESSES.search(inspect.getsource(func)):
+            return True
+    except (OSError, TypeError):
+        return False
+    called = (getattr(func, "__globals__", {}).get(name) for name in _names(func.__code__))
+    return any(isinstance(f, types.FunctionType) and f.__module__.startswith("tests")
+               and f is not func and _starts_processes(f) for f in called)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs.items() if fixtures is not None else []
+        funcs = [getattr(item, "function", None),
+                 *(d.func for name, ds in defs if name not in _SHARED_SERVERS for d in ds)]
+        if any(f is not None and _starts_processes(f) for f in funcs):
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.fixture(scope="session")
