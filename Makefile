@@ -48,7 +48,7 @@ lint: test-setup
 	$(BIN)/lint-imports
 
 check: lint
-	$(BIN)/pytest -m "not processes"
+	$(BIN)/pytest -m "not processes and not smollm2"
 
 test: lint
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
