@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.scripts.abort import SET_ABORT, AbortArgs, AbortKeys
+from shared.scripts.request_flag import SET_FLAG, FlagArgs, FlagKeys
 
 # Announcements kept: a worker that reads them late (after a pause) still finds recent ones.
 ANNOUNCEMENTS_MAXLEN = 10_000
@@ -25,14 +25,14 @@ ANNOUNCEMENTS_MAXLEN = 10_000
 def stage_aborts(pipe: aioredis.client.Pipeline, keys: Keys, request_ids: Iterable[str],
                  ttl_s: int) -> None:
     """Add to `pipe`: set each request's abort key, then announce them in one entry. A key
-    lives `ttl_s` at most, and no longer than its request's hash (shared/scripts/abort.py):
+    lives `ttl_s` at most, and no longer than its request's hash (shared/scripts/request_flag.py):
     an abort that comes after the request ended expires with it."""
     ids = list(request_ids)
     if not ids:
         return
     for request_id in ids:
-        SET_ABORT.stage(pipe, AbortKeys(keys.abort(request_id), keys.state(request_id)),
-                        AbortArgs(ttl_s))
+        SET_FLAG.stage(pipe, FlagKeys(keys.abort(request_id), keys.state(request_id)),
+                        FlagArgs(ttl_s))
     pipe.xadd(keys.aborts, {"ids": ",".join(ids)}, maxlen=ANNOUNCEMENTS_MAXLEN,
               approximate=True)
     pipe.expire(keys.aborts, ttl_s)

@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 
 from shared.keys import QUEUED_CONSUMER, WORKER_GROUP, Keys
 from shared.messages import Bucket, BucketField, QueueMember, ServiceCounters
-from shared.scripts.abort import SET_ABORT, AbortArgs, AbortKeys
 from shared.scripts.admit import ADMIT, AdmitArgs, AdmitKeys, AdmitReply, AdmitStatus
 from shared.scripts.base import Script
 from shared.scripts.handoff import ModelQueue, QueuedEntries
 from shared.scripts.limits import NO_LIMIT, SETTLE, LimitArgs, SettleArgs, Settled, SettleKeys
+from shared.scripts.request_flag import SET_FLAG, FlagArgs, FlagKeys
 from shared.scripts.take import TAKE, TakeArgs, TakeKeys, Taken
 from shared.scripts.terminal import TERMINAL_ONCE, Terminal, TerminalArgs, TerminalKeys
 
@@ -185,8 +185,10 @@ async def test_a_member_placed_on_a_live_worker_waits_for_it(env: Env) -> None:
 
 async def test_terminal_once_writes_once(env: Env) -> None:
     rid = f"0badcafe-{uuid.uuid4().hex[:24]}"
-    keys = TerminalKeys(env.keys.out(rid), env.keys.state(rid), env.keys.abort(rid))
+    keys = TerminalKeys(env.keys.out(rid), env.keys.state(rid), env.keys.abort(rid),
+                        env.keys.resumed(rid))
     await env.r.set(keys.abort, "1", ex=3600)  # cancelled before its end
+    await env.r.set(keys.resumed, "1", ex=3600)  # and resumed
     args = TerminalArgs(ttl_s=120, entry={"kind": "finish", "finish_reason": "stop"},
                         state={"state": "finished"},
                         chunks=[{"kind": "tokens", "index": "0", "ids": "1,2"},
@@ -199,6 +201,7 @@ async def test_terminal_once_writes_once(env: Env) -> None:
     assert await env.r.hgetall(keys.state) == {b"state": b"finished"}
     assert 110 < await env.r.ttl(keys.out) <= 120 and 110 < await env.r.ttl(keys.state) <= 120
     assert 110 < await env.r.ttl(keys.abort) <= 120  # it expires with them
+    assert 110 < await env.r.ttl(keys.resumed) <= 120
     again = dataclasses.replace(args, ttl_s=300, state={"state": "failed"})
     assert await terminal_once(keys, again) is Terminal.ENDED_ALREADY
     assert await env.r.xlen(keys.out) == 3
@@ -208,23 +211,23 @@ async def test_terminal_once_writes_once(env: Env) -> None:
 
 async def test_an_abort_key_lives_no_longer_than_its_request_hash(env: Env) -> None:
     rid = f"0badcafe-{uuid.uuid4().hex[:24]}"
-    keys = AbortKeys(env.keys.abort(rid), env.keys.state(rid))
+    keys = FlagKeys(env.keys.abort(rid), env.keys.state(rid))
     pipe = env.r.pipeline(transaction=False)
-    SET_ABORT.stage(pipe, keys, AbortArgs(ttl_s=3600))  # no hash: the whole TTL
+    SET_FLAG.stage(pipe, keys, FlagArgs(ttl_s=3600))  # no hash: the whole TTL
     [reply] = await pipe.execute()
-    assert SET_ABORT.parse(reply) == 3_600_000
-    assert await env.r.get(keys.abort) == b"1" and 3590 < await env.r.ttl(keys.abort) <= 3600
+    assert SET_FLAG.parse(reply) == 3_600_000
+    assert await env.r.get(keys.flag) == b"1" and 3590 < await env.r.ttl(keys.flag) <= 3600
     await env.r.hset(keys.state, "state", "done")
     await env.r.expire(keys.state, 300)  # ended: its hash lives 300 s more
     pipe = env.r.pipeline(transaction=False)
-    SET_ABORT.stage(pipe, keys, AbortArgs(ttl_s=3600))
+    SET_FLAG.stage(pipe, keys, FlagArgs(ttl_s=3600))
     await pipe.execute()
-    assert 290 < await env.r.pttl(keys.abort) / 1000 <= await env.r.pttl(keys.state) / 1000
+    assert 290 < await env.r.pttl(keys.flag) / 1000 <= await env.r.pttl(keys.state) / 1000
     await env.r.persist(keys.state)  # a hash without a TTL lends none
     pipe = env.r.pipeline(transaction=False)
-    SET_ABORT.stage(pipe, keys, AbortArgs(ttl_s=60))
+    SET_FLAG.stage(pipe, keys, FlagArgs(ttl_s=60))
     await pipe.execute()
-    assert 50 < await env.r.ttl(keys.abort) <= 60
+    assert 50 < await env.r.ttl(keys.flag) <= 60
 
 
 async def test_settle_gives_back_up_to_the_limit(env: Env) -> None:

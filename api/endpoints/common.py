@@ -15,6 +15,7 @@ from api.protocol.served_model import ServedModel
 from api.queue.context import AppContext
 from shared.keys import is_request_id
 from shared.messages import RequestHash
+from shared.scripts.request_flag import SET_FLAG, FlagArgs, FlagKeys
 
 log = logging.getLogger("redserve.api")
 
@@ -67,9 +68,11 @@ def tenant_of(request: Request) -> str:
 
 
 async def mark_resumed(ctx: AppContext, request_id: str) -> None:
-    """Tells the replica that served the first stream not to cancel it after its grace."""
+    """Tells the replica that served the first stream not to cancel it after its grace. The
+    mark lives no longer than the request (shared/scripts/request_flag.py)."""
     try:
-        await ctx.clients.commands.set(ctx.keys.resumed(request_id), "1",
-                                       ex=ctx.settings.request_ttl_s)
+        await SET_FLAG.bind(ctx.clients.commands)(
+            FlagKeys(ctx.keys.resumed(request_id), ctx.keys.state(request_id)),
+            FlagArgs(ctx.settings.request_ttl_s))
     except aioredis.RedisError as e:
         raise state_unavailable(e) from e

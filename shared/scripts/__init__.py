@@ -13,7 +13,8 @@ parser of its reply into a typed result; callers build and read only those types
 - `take`: a worker with room chooses queued requests and claims them (worker/broker/take.py);
 - `terminal`: a retried terminal entry, added only if its stream has none
   (worker/broker/publisher.py);
-- `abort`: set a request's abort key to live no longer than its hash (shared/aborts.py);
+- `request_flag`: set a request's abort key or resumed mark to live no longer than its hash
+  (shared/aborts.py, api/endpoints/common.py);
 - `handoff`: what `admit` leaves for `take`: one model's queue keys, the group and consumer,
   the entries hash, and the Lua parser of a queued-set member.
 

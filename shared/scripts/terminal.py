@@ -5,8 +5,8 @@ flush failed (Redis went away) retries its terminal entries from an outbox
 (worker/broker/publisher.py), but the failed pipeline may have been applied in part, so the
 entry may be there already. This script looks at the stream's last entry and adds the
 record chunks still owed and the terminal entry after them only if it is not terminal; the
-request's hash and the TTLs (its abort key's too, if set) are written either way. It answers
-whether it added the entry, so the feed hears of it only then.
+request's hash and the TTLs (its abort key's and resumed mark's too, if set) are written
+either way. It answers whether it added the entry, so the feed hears of it only then.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class TerminalKeys:
     out: str  # the request's result stream (`Keys.out`)
     state: str  # its request hash (`Keys.state`)
     abort: str  # its abort key (`Keys.abort`), if set: it expires with them
+    resumed: str  # its resumed mark (`Keys.resumed`), if set: likewise
 
 
 @dataclass(frozen=True)
@@ -62,5 +63,6 @@ for k, v in pairs(cjson.decode(A.state)) do table.insert(state, k); table.insert
 redis.call('HSET', K.state, unpack(state))
 redis.call('EXPIRE', K.state, A.ttl_s)
 redis.call('EXPIRE', K.abort, A.ttl_s)
+redis.call('EXPIRE', K.resumed, A.ttl_s)
 return ended and R.ENDED_ALREADY or R.ADDED
 """, lambda reply: Terminal(int(reply)), Terminal)

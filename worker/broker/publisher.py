@@ -243,9 +243,10 @@ class Publisher:
             pipe.expire(out_key, finished_ttl)
             pipe.hset(state_key, mapping=ending.state)  # type: ignore[arg-type]
             pipe.expire(state_key, finished_ttl)
-            # An abort key (if set) expires with them. After the hash's EXPIRE: an abort set
-            # from then on takes the hash's remaining TTL (shared/scripts/abort.py).
+            # Its flags (if set) expire with them. After the hash's EXPIRE: a flag set from
+            # then on takes the hash's remaining TTL (shared/scripts/request_flag.py).
             pipe.expire(self.keys.abort(ending.request_id), finished_ttl)
+            pipe.expire(self.keys.resumed(ending.request_id), finished_ttl)
         self._stage_feeds(pipe, [*staged.live, *((e.request_id, e.live.to_fields())
                                                 for e in staged.endings)])
         self._stage_acks(pipe, staged)
@@ -317,7 +318,7 @@ class Publisher:
         for e in outbox.endings:
             reply = await self._terminal_once(
                 TerminalKeys(self.keys.out(e.request_id), self.keys.state(e.request_id),
-                             self.keys.abort(e.request_id)),
+                             self.keys.abort(e.request_id), self.keys.resumed(e.request_id)),
                 TerminalArgs(self.settings.finished_ttl_s, e.fields, e.state,
                              chunks.get(e.request_id, [])))
             if reply is Terminal.ADDED:
