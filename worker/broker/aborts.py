@@ -5,8 +5,8 @@ steps (so a cancelled request's pages are freed at the end of the step during wh
 was set):
 - `listen`: a blocking XREAD on the abort announcement stream (see shared/aborts.py) in the
   background. No command per step; one per batch of announcements (or per idle block).
-- `check`: the abort keys themselves, one MGET per replica slot (the keys of one replica share
-  a Cluster slot). Run on the requests a worker takes, before they are admitted, and on every
+- `check`: the abort keys themselves, one GET each in one pipeline (redis-py refuses MGET in
+  a Cluster pipeline). Run on the requests a worker takes, before they are admitted, and on every
   request it holds once per heartbeat, which catches any announcement that was missed.
 - announcements of requests not (yet) here are remembered for a while: a request may be taken
   just after its announcement was heard.
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
-from shared.keys import Keys, replica_of
+from shared.keys import Keys
 from shared.redis_conn import stream_reply
 from shared.retry import RedisBackoff
 
@@ -52,20 +52,17 @@ class AbortWatch:
         self._known = {rid: t for rid, t in self._known.items() if t >= cutoff}
 
     async def check(self, redis: aioredis.Redis, request_ids: Iterable[str]) -> set[str]:
-        """Read the abort keys of these requests (one MGET per replica slot); note and
-        return the aborted ones."""
-        by_replica: dict[str, list[str]] = {}
-        for rid in request_ids:
-            by_replica.setdefault(replica_of(rid), []).append(rid)
-        if not by_replica:
+        """Read the abort keys of these requests (one GET each, in one pipeline: a Cluster
+        pipeline refuses MGET, and its GETs still go out one batch per node); note and return
+        the aborted ones."""
+        ids = list(request_ids)
+        if not ids:
             return set()
         pipe = redis.pipeline(transaction=False)
-        groups = list(by_replica.values())
-        for group in groups:
-            pipe.mget([self.keys.abort(rid) for rid in group])
+        for rid in ids:
+            pipe.get(self.keys.abort(rid))
         replies = await pipe.execute()
-        found = {rid for group, values in zip(groups, replies, strict=True)
-                 for rid, value in zip(group, values, strict=True) if value is not None}
+        found = {rid for rid, value in zip(ids, replies, strict=True) if value is not None}
         self.note(found)
         return found
 
