@@ -55,7 +55,25 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+# The longest modules of a full run (about a minute or more each, from its durations report),
+# longest first: the parallel run hands out whole modules in collection order, so these start
+# first and the short ones fill in around them, rather than one of them starting last and
+# running on alone.
+_LONGEST_FIRST = (
+    "test_fuzz", "test_up_chaos", "test_chaos", "test_dtype", "test_failover", "test_cli",
+    "test_lifecycle", "test_inspect", "test_resume", "test_cluster", "test_speculation_stack",
+    "test_tools", "test_leak_audit", "test_models", "test_tracing", "test_placement",
+    "test_record_chunks", "test_start_before_redis",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    name = item.path.stem
+    return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: each module's tests keep their order
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = fixtures.name2fixturedefs.items() if fixtures is not None else []

@@ -167,3 +167,32 @@ def test_health_heartbeat_and_inspect_name_each_worker_s_kernels_mode_and_thread
     [faulty] = [line for line in table if line.startswith("│ faulty ")]
     assert "vllm-cpu, batch-invariant" in invariant and "up to 2, 1 in decode" in invariant
     assert "torch" in faulty and "up to 1, measured" in faulty
+
+
+def test_a_pass_is_remembered_per_machine_and_configuration_and_a_fault_bypasses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker restarted on the same machine skips the child once its configuration passed;
+    a failure is never remembered, and an injected fault neither reads nor writes the memo."""
+    monkeypatch.setenv("REDSERVE_CACHE_DIR", str(tmp_path))
+    memos = tmp_path / "kernel-checks"
+    smoke.smoke_test.cache_clear()
+    try:
+        monkeypatch.setenv("REDSERVE_FAULT_KERNEL", CRASH)
+        assert smoke.smoke_test(torch.float32, 64, 16, True) is not None
+        assert not memos.exists()  # a failure is not remembered
+        monkeypatch.delenv("REDSERVE_FAULT_KERNEL")
+        smoke.smoke_test.cache_clear()
+        assert smoke.smoke_test(torch.float32, 64, 16, True) is None
+        [memo] = memos.iterdir()
+        # Another configuration is another memo; the same one is read, not run again: with the
+        # memo there, a fault injected into a fresh check would show, and does not.
+        assert smoke.smoke_memo_path(torch.float32, 64, 32, True) != memo
+        assert smoke.smoke_memo_path(torch.float32, 64, 16, True) == memo
+        smoke.smoke_test.cache_clear()
+        monkeypatch.setattr(smoke, "run_smoke_test", lambda *a: "rotary_embedding: ran again")
+        assert smoke.smoke_test(torch.float32, 64, 16, True) is None
+        monkeypatch.setenv("REDSERVE_FAULT_KERNEL", CRASH)  # a fault bypasses the memo
+        smoke.smoke_test.cache_clear()
+        assert smoke.smoke_test(torch.float32, 64, 16, True) == "rotary_embedding: ran again"
+    finally:
+        smoke.smoke_test.cache_clear()

