@@ -72,14 +72,29 @@ def empty_queue(scripted: Stack, sync_redis: redis.Redis) -> Keys:
 def test_non_streaming_client_that_hangs_up_stops_the_work(
     tiny_stack: Stack, sync_redis: redis.Redis
 ) -> None:
+    """A JSON client that hangs up mid-generation: its request is aborted, not finished. The
+    worker is frozen from the moment it runs the request until the abort is set, so the tiny
+    model cannot finish its 480 tokens first, however fast the machine (a timed hang-up lost
+    that race on a quiet one)."""
     keys = Keys(tiny_stack.prefix)
     before = _request_hashes(sync_redis, keys)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_stack.base_url}/v1/completions", json=LONG, timeout=0.3)
+    body = orjson.dumps(LONG)
+    client = socket.create_connection(("127.0.0.1", tiny_stack.port), timeout=10)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                   % (len(body), body))
     # Found by its request hash: the queue entry may already be deleted once the abort lands.
     assert eventually(lambda: _request_hashes(sync_redis, keys) - before)
     [key] = _request_hashes(sync_redis, keys) - before
     request_id = key.decode().rsplit(":", 1)[1]
+    worker = tiny_stack.worker_proc(0)
+    assert eventually(lambda: _state(sync_redis, keys, request_id).get("state") == "running")
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        client.close()  # the client hangs up
+        assert eventually(lambda: sync_redis.exists(keys.abort(request_id)))
+    finally:
+        worker.send_signal(signal.SIGCONT)
     assert eventually(lambda: _ended(sync_redis, keys, request_id))
     state = _state(sync_redis, keys, request_id)
     assert state["state"] == "aborted" and int(state["completion_tokens"]) < 480
