@@ -182,6 +182,8 @@ def main() -> None:
                     default=["transformers", "vllm"],
                     help="which peers to run (vllm only with --vllm-python; none: redserve "
                          "alone, no ratios)")
+    ap.add_argument("--no-peers", dest="peers", action="store_const", const=[],
+                    help="redserve alone, no ratios (the same as --peers with no name)")
     ap.add_argument("--variant", action="append", default=[], metavar="ENV",
                     help="another redserve run with these NAME=VALUE settings")
     ap.add_argument("--cold", action="store_true",
