@@ -73,9 +73,8 @@ def test_non_streaming_client_that_hangs_up_stops_the_work(
     tiny_stack: Stack, sync_redis: redis.Redis
 ) -> None:
     """A JSON client that hangs up mid-generation: its request is aborted, not finished. The
-    worker is frozen from the moment it runs the request until the abort is set, so the tiny
-    model cannot finish its 480 tokens first, however fast the machine (a timed hang-up lost
-    that race on a quiet one)."""
+    worker is frozen from when it runs the request until the abort is set, so the tiny model
+    cannot finish its 480 tokens first (a timed hang-up lost that race on a quiet machine)."""
     keys = Keys(tiny_stack.prefix)
     before = _request_hashes(sync_redis, keys)
     body = orjson.dumps(LONG)
