@@ -43,7 +43,8 @@ def test_a_cancelled_requests_abort_key_expires_with_the_request(
     stream.close()
     assert eventually(lambda: _state(sync_redis, keys, request_id) == "aborted", 30)
     assert 0 < sync_redis.ttl(keys.abort(request_id)) <= FINISHED_TTL_S
-    assert sync_redis.pttl(keys.abort(request_id)) <= sync_redis.pttl(keys.state(request_id))
+    abort_ms = sync_redis.pttl(keys.abort(request_id))
+    assert abort_ms <= sync_redis.pttl(keys.state(request_id)) + 50  # read a moment apart
 
 
 def test_an_abort_set_after_the_end_lives_no_longer_than_the_request(
@@ -68,5 +69,7 @@ def test_an_abort_set_after_the_end_lives_no_longer_than_the_request(
 
     asyncio.run(abort_late())
     assert sync_redis.get(keys.abort(ended)) == b"1"
-    assert 0 < sync_redis.pttl(keys.abort(ended)) <= sync_redis.pttl(keys.state(ended))
+    abort_ms, state_ms = sync_redis.pttl(keys.abort(ended)), sync_redis.pttl(keys.state(ended))
+    # Read one after the other: the hash's TTL may have run a millisecond or two meanwhile.
+    assert 0 < abort_ms <= state_ms + 50
     assert sync_redis.ttl(keys.abort(ended)) <= FINISHED_TTL_S
