@@ -127,5 +127,19 @@ def summary(case: str, outcomes: list[Outcome | None], undisturbed: list[str]) -
     messages = Counter(o.message for o in outcomes if o is not None and o.message)
     text = "\n".join([f"{case}: {dict(kinds)}; errors {dict(errors)}; stall p50 "
                       f"{statistics.median(stalls):.2f}s max {stalls[-1]:.2f}s",
-                      *(f"  {n} x {m}" for m, n in messages.items())])
+                      *(f"  {n} x {m}" for m, n in messages.items()),
+                      *(f"  stream {i} changed: {_how(o, whole)}"
+                        for i, (o, whole) in enumerate(zip(outcomes, undisturbed, strict=True))
+                        if classify(o, whole) == "changed")])
     return kinds, stalls[-1], text
+
+
+def _how(outcome: Outcome | None, whole: str) -> str:
+    """How a changed stream differs from its undisturbed text: what a failure report needs."""
+    assert outcome is not None
+    same = zip(outcome.text, whole, strict=False)  # up to the shorter one's end
+    at = next((i for i, (a, b) in enumerate(same) if a != b), min(len(outcome.text), len(whole)))
+    return (f"response {outcome.response_id}, finish {outcome.finish!r}, ids in order "
+            f"{outcome.ids_in_order}, {len(outcome.text)} of {len(whole)} characters, first "
+            f"difference at {at}: {outcome.text[at:at + 40]!r} for {whole[at:at + 40]!r}; "
+            f"message {outcome.message!r}")

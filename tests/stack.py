@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -219,3 +221,41 @@ def eventually(check: Callable[[], object], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+@dataclass
+class Up:
+    """A running `redserve up`, its output gathered in a log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def said(self) -> str:
+        return self.log.read_text()
+
+
+@contextlib.contextmanager
+def redserve_up(env: dict[str, str], port: int, model: Path, served_name: str) -> Iterator[Up]:
+    """`redserve up` started as a user starts it and waited on until it says it is ready; on
+    leaving, stopped as a user stops it (SIGTERM), which must end it cleanly (exit 0)."""
+    log = Path(tempfile.mkstemp(prefix="redserve-up-", suffix=".log")[1])
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
+                                 "--model", str(model), "--served-model-name", served_name],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    up = Up(proc, log)
+    try:
+        assert eventually(lambda: "ready: http" in up.said() or proc.poll() is not None,
+                          120), up.said()
+        assert proc.poll() is None, up.said()
+        yield up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        said = up.said()
+        log.unlink(missing_ok=True)
+    assert code == 0, said

@@ -206,7 +206,7 @@ def test_a_shard_primary_killed_mid_load_fails_over_to_its_replica(cluster: Clus
         outcomes = asyncio.run(load(urls, MODEL, killed, 1.0, spread_s=1.0, streams=streams))
         kinds, _, text = summary("cluster shard primary killed", outcomes, undisturbed)
         print(f"{text}\n  {time.monotonic() - t0:.1f}s")
-        assert kinds["hung"] == 0 and kinds["changed"] == 0, (kinds, stack.output())
+        assert kinds["hung"] == 0 and kinds["changed"] == 0, (text, stack.output())
         assert eventually(lambda: _serves(probe), 30)
         assert _owner(probe, slot) != port, "the shard's replica was not promoted"
         assert eventually(lambda: httpx.get(f"{urls[0]}/ready", timeout=2).status_code == 200,

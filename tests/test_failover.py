@@ -22,10 +22,6 @@ between two events of a stream) are printed with -s; ops/benchmarks/failover.py 
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +35,15 @@ import pytest
 from ops.embedded_redis import free_port
 from ops.testkit.failover_lab import FailoverLab, LabConfig
 from tests.disturbed_load import body, load, summary
-from tests.stack import Stack, child_env, eventually, inspect, inspect_json, sync_client
+from tests.stack import (
+    Stack,
+    child_env,
+    eventually,
+    inspect,
+    inspect_json,
+    redserve_up,
+    sync_client,
+)
 
 MODEL = "tiny-llama"
 DOWN_AFTER_MS = 1000
@@ -77,32 +81,15 @@ def test_up_given_a_sentinel_url_serves_and_is_quiet_while_its_worker_starts(
     replica is up seconds before its worker: no "no live worker" warning for that."""
     port = free_port()
     env = child_env(lab.url, f"rstest-up-{port}")
-    log = Path(tempfile.mkstemp(prefix="redserve-up-", suffix=".log")[1])
-    with log.open("wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
-                               "--model", str(tiny_model), "--served-model-name", MODEL],
-                              env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        assert eventually(lambda: "ready: http" in log.read_text() or up.poll() is not None,
-                          120), log.read_text()
-        assert up.poll() is None, log.read_text()
+    with redserve_up(env, port, tiny_model, MODEL) as up:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert reply.choices[0].finish_reason in ("length", "stop")
-        said = log.read_text()
+        said = up.said()
         assert "Traceback" not in said and "does not answer" not in said, said
         assert "no live worker" not in said, said
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            code = up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            code = up.wait()
-        log.unlink(missing_ok=True)
-    assert code == 0
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +188,7 @@ def test_in_flight_requests_end_identical_or_with_a_definite_error(
     if counts["hung"] or counts["changed"]:
         print(_unfinished(deployment))
     assert lab.primary_port() != old[0], "the primary did not move"
-    assert counts["hung"] == 0 and counts["changed"] == 0, (counts, deployment.stack.output())
+    assert counts["hung"] == 0 and counts["changed"] == 0, (text, deployment.stack.output())
     assert stall <= DOWN_AFTER_MS / 1000 + STALL_MARGIN_S, stall
     # One request per client request: no response id answers two streams.
     ids = [o.response_id for o in outcomes if o is not None and o.response_id]

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,7 +18,7 @@ import redis
 
 from ops.embedded_redis import free_port
 from shared.keys import WORKER_GROUP, Keys
-from tests.stack import child_env, eventually
+from tests.stack import child_env, eventually, redserve_up
 
 MODEL = "tiny-llama"
 REQUESTS = 100
@@ -62,15 +59,7 @@ def test_worker_killed_every_few_seconds_under_up_loses_and_changes_nothing(
                     REDSERVE_DTYPE="float32", REDSERVE_MAX_DELIVERIES="1000",
                     REDSERVE_QUEUE_TIMEOUT_S="300", REDSERVE_REQUEST_TIMEOUT_S="300")
     keys = Keys(env["REDSERVE_KEY_PREFIX"])
-    log = Path(tempfile.mkstemp(prefix="redserve-up-", suffix=".log")[1])
-    with log.open("wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
-                               "--model", str(tiny_model), "--served-model-name", MODEL],
-                              env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        assert eventually(lambda: "ready: http" in log.read_text() or up.poll() is not None,
-                          120)
-        assert up.poll() is None, log.read_text()
+    with redserve_up(env, port, tiny_model, MODEL) as up:
         undisturbed = asyncio.run(_run_all(url))
 
         kills: list[int] = []
@@ -80,12 +69,12 @@ def test_worker_killed_every_few_seconds_under_up_loses_and_changes_nothing(
             work a second, then kill it; again, up to MAX_KILLS times or until the load is
             over."""
             while not done.is_set() and len(kills) < MAX_KILLS:
-                if log.read_text().count(" serving ") <= len(kills):
-                    time.sleep(0.2)
+                if up.said().count(" serving ") <= len(kills):
+                    done.wait(0.2)
                     continue
                 if done.wait(1.0):
                     return
-                for pid in _children(up.pid, "worker"):
+                for pid in _children(up.proc.pid, "worker"):
                     os.kill(pid, signal.SIGKILL)
                     kills.append(pid)
 
@@ -101,18 +90,9 @@ def test_worker_killed_every_few_seconds_under_up_loses_and_changes_nothing(
         print(f"{len(kills)} kills in {time.monotonic() - t0:.0f}s")  # shown with -s
         assert len(kills) >= 2, f"only {len(kills)} kill(s) in {time.monotonic() - t0:.0f}s"
         assert texts == undisturbed
-        said = log.read_text()
+        said = up.said()
         assert said.count("killed by SIGKILL") >= len(kills) and "restarting in" in said
         stream = keys.requests(MODEL)
         assert eventually(lambda: sync_redis.xlen(stream) == 0
                           and sync_redis.xpending(stream, WORKER_GROUP)["pending"] == 0, 30)
-        assert up.poll() is None  # `up` itself never stopped
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            code = up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            code = up.wait()
-        log.unlink(missing_ok=True)
-    assert code == 0
+        assert up.proc.poll() is None  # `up` itself never stopped
