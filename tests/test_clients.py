@@ -289,9 +289,12 @@ def test_guidellm_benchmark_reads_redserves_usage(
              "TRANSFORMERS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (bench,) = json.loads(report.read_text())["benchmarks"]
-    # Every request guidellm made succeeded (its scheduler's count of them all) ...
-    assert bench["scheduler_metrics"]["requests_made"] == {
-        "successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}
+    # Every request guidellm made succeeded (its scheduler's count of them all) ... Its
+    # scheduler stops at the constraint as its own state counts (created, then processed,
+    # across its processes): a loaded machine once saw it make 3 of 4, all successful.
+    made = bench["scheduler_metrics"]["requests_made"]
+    assert made["errored"] == made["incomplete"] == 0, made
+    assert made["successful"] == made["total"] >= REQUESTS - 1, made
     # ... and those it measured read redserve's usage right. Its measured totals are windowed
     # (from the first request's start to the completion that met the constraint): in one CI
     # run with two streams they held 3 of 4, none errored or incomplete (not seen here since).
