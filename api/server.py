@@ -70,7 +70,8 @@ def run(settings: ApiSettings) -> None:
     # shared.logs.setup_logging installed (JSON stays JSON). No access log unless asked for:
     # one line per request at any load, and the `request.finished` event says more.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            access_log=settings.access_log, timeout_graceful_shutdown=5)
+                            access_log=settings.access_log, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=settings.keep_alive_s)
     try:
         DrainingServer(config, app, settings.drain_grace_s).run()
     finally:

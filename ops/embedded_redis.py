@@ -11,11 +11,20 @@ import time
 
 import redis
 
+# Ports this process has handed out: the kernel may offer a just-closed port again, and two
+# servers given the same port before either binds it would collide (seen in the test suite).
+_handed_out: set[int] = set()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, never one this process handed out before."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class EmbeddedRedis:

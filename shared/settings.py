@@ -132,6 +132,11 @@ class ApiSettings(Settings):
     # a client may take to send it (408 after that).
     max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)
     body_timeout_s: float = Field(default=30.0, gt=0)
+    # An idle keep-alive connection is closed after this long. Longer than what load balancers
+    # keep idle connections to a backend (nginx's upstream keepalive_timeout and AWS's ALB: 60 s)
+    # so that it is they who close one: a backend closing it first races the next request sent on
+    # it, which the client then sees as "server disconnected" (uvicorn's own default is 5 s).
+    keep_alive_s: int = Field(default=75, ge=1)
     # Result entries buffered per request in the API before its stream is paused in Redis.
     per_request_buffer: int = Field(default=256, ge=16)
     # A streaming client that disconnects: its request runs on this long, so that the client

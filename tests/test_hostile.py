@@ -13,6 +13,7 @@ import asyncio
 import math
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from api.queue.reader import ResultReader
 from shared.keys import Keys
 from shared.messages import Finish, Tokens
 from shared.redis_conn import connect
+from shared.settings import ApiSettings
 from tests.stack import Stack, eventually, publish, queued_requests
 
 MODEL = "tiny-llama"
@@ -223,7 +225,7 @@ def test_hostile_streams_end_cleanly(tiny_stack: Stack) -> None:
 def scripted(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     """An API replica with no worker: the test writes the worker's side."""
     stack = Stack(redis_url, tiny_model, served_name=MODEL, workers=0,
-                  env={"REDSERVE_BODY_TIMEOUT_S": "1"}).start()
+                  env={"REDSERVE_BODY_TIMEOUT_S": "1", "REDSERVE_KEEP_ALIVE_S": "1"}).start()
     yield stack
     stack.stop()
 
@@ -274,6 +276,24 @@ def test_a_body_that_never_finishes_gets_408_and_holds_nothing_up(scripted: Stac
         reply = b"".join(iter(lambda: conn.recv(4096), b"")).decode()
     assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply
     assert "connection: close" in reply.lower()  # the rest of that body is never read
+
+
+def test_an_idle_connection_is_kept_for_the_keep_alive_setting_then_closed(
+    scripted: Stack
+) -> None:
+    """The replica, not the client, ends an idle keep-alive connection, once
+    `REDSERVE_KEEP_ALIVE_S` has passed (by default 75 s: past the 60 s that nginx and cloud
+    load balancers keep idle upstream connections, so that they close theirs first)."""
+    assert ApiSettings().keep_alive_s > 60
+    with socket.create_connection(("127.0.0.1", scripted.port), timeout=10) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = conn.recv(4096)
+        answered = time.monotonic()
+        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
+        rest = conn.recv(4096)  # blocks until the replica closes the idle connection
+        idle = time.monotonic() - answered
+    # Closed by the setting's 1 s, not uvicorn's own 5 s.
+    assert rest == b"" and 0.9 <= idle < 4, (rest, idle)
 
 
 def test_oversized_headers_get_431_and_trace_ids_are_bounded(
