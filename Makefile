@@ -50,8 +50,8 @@ lint: test-setup
 check: lint
 	$(BIN)/pytest -m "not processes and not smollm2"
 
-# Whole groups (a module, or the modules sharing the SmolLM2 stack: tests/conftest.py) to each
-# process, in the order collected, longest first; xdist's own order, most tests first, started
-# the longest modules (one or two tests each) last, and the run ended on one busy process.
+# Whole modules to each process, in the order collected, longest first (tests/conftest.py);
+# xdist's own order, most tests first, started the longest modules (one or two tests each)
+# last, and the run ended on one busy process.
 test: lint
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -58,8 +58,7 @@ def _names(code: types.CodeType) -> set[str]:
 # The longest modules of a full run (about 40 s or more each, from its durations report),
 # longest first: the parallel run hands out whole modules in this order (`make test` keeps it:
 # --no-loadscope-reorder), so these start first and the short ones fill in around them, rather
-# than one of them starting last and running on alone. test_tools stands for its group, the
-# modules on the SmolLM2 stack.
+# than one of them starting last and running on alone.
 _LONGEST_FIRST = (
     "test_fuzz", "test_chaos", "test_tools", "test_failover", "test_lifecycle", "test_up_chaos",
     "test_resume", "test_cli", "test_dtype", "test_inspect", "test_smoke", "test_cluster",
@@ -74,17 +73,8 @@ def _rank(item: pytest.Item) -> int:
     return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
 
 
-# Before pytest-xdist reads the groups (`--dist loadgroup` hands out whole groups).
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_rank)  # stable: each module's tests keep their order
-    # One group per module (its module-scoped fixtures start once), except that the modules
-    # using the session's SmolLM2 stack form one group: one test process starts that stack
-    # (some 10 s of CPU) instead of each process that draws one of them.
-    smol = {item.path for item in items if "smol_stack" in getattr(item, "fixturenames", ())}
-    for item in items:
-        group = "smol_stack" if item.path in smol else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = fixtures.name2fixturedefs.items() if fixtures is not None else []
