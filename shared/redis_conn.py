@@ -17,12 +17,18 @@ gives a blocked XREAD) drops itself and fails as a lost connection does, so the 
 connects again: Sentinel's pools ask the Sentinels where the primary is now, and a plain URL's
 (`_Following`) resolves the name again; a managed endpoint that keeps the old primary up as a
 replica would otherwise answer every write on the pooled connections with READONLY.
+A Cluster client finds the slot of a stream read itself (`_Cluster`), not by asking the node
+redis-py last took as its default, so the death of that node fails only its own slot's
+commands, whose connection errors make redis-py read the slots anew and find the promoted
+replica.
 
-No command is retried inside redis-py (no `retry` is set): a write whose reply was lost may
-have run, and only its caller knows whether running it again is safe, so the error goes to the
-caller, whose own loop retries what may be retried (`shared/retry.py`). A Lua script the new
-primary has never seen answers NOSCRIPT and redis-py's `Script` loads it and runs it again
-(`shared/scripts/base.py`): NOSCRIPT means it did not run.
+No command is retried inside redis-py (no `retry` is set; but a Cluster client keeps
+redis-py's default, 10 tries with a backoff up to 1 s, which sends a command whose node failed
+again once the slot map is read anew): a write whose reply was lost may have run, and only its
+caller knows whether running it again is safe, so the error goes to the caller, whose own loop
+retries what may be retried (`shared/retry.py`). A Lua script the new primary has never seen
+answers NOSCRIPT and redis-py's `Script` loads it and runs it again (`shared/scripts/base.py`):
+NOSCRIPT means it did not run.
 """
 
 from __future__ import annotations
@@ -119,9 +125,40 @@ def _cluster(url: str, max_connections: int, socket_timeout: float | None, name:
     slot, or, in a non-transactional pipeline, is routed key by key, so the rest of the code
     uses it exactly like a single server's client: hence the cast."""
     options = {k: v for k, v in common.items() if k != "timeout"}
-    client = RedisCluster.from_url(url, max_connections=max_connections,
-                                   socket_timeout=socket_timeout, client_name=name, **options)
+    client = _Cluster.from_url(url, max_connections=max_connections,
+                               socket_timeout=socket_timeout, client_name=name, **options)
     return cast(aioredis.Redis, client)
+
+
+# Where the stream keys of a read begin: after this word, searched for from this argument on
+# (the command's own key spec, `COMMAND INFO`; XREADGROUP's group and consumer come first).
+_STREAMS_FROM = {"XREAD": 0, "XREADGROUP": 3}
+
+
+class _Cluster(RedisCluster):
+    """The cluster client, with the slot of XREAD and XREADGROUP found here. redis-py asks a
+    node for their keys (COMMAND GETKEYS: their key spec is one it does not evaluate), the node
+    that was its default at its last slot-map refresh, before it routes the read. Should that
+    node die, every read fails there, whatever its slot, and that failure is not one that
+    makes redis-py refresh its slot map (only a command sent to a node does): a client whose
+    commands are all such reads (a worker's `blocking`) kept asking the dead node for good,
+    long after its replica was promoted. Here the keys are the first half of the arguments
+    after STREAMS, as the server's key spec reads them, so a read goes to its slot's node,
+    and a dead one's connection error asks for the refresh that finds the promoted replica
+    (and every read saves a round trip)."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        start = _STREAMS_FROM.get(str(command).upper())
+        if start is not None:
+            for i in range(start, len(args)):
+                word = args[i]
+                if isinstance(word, (str, bytes)) and word.upper() in ("STREAMS", b"STREAMS"):
+                    rest = args[i + 1:]
+                    slots = {self.keyslot(k) for k in rest[:len(rest) // 2]}
+                    if len(slots) == 1:
+                        return slots.pop()
+                    break
+        return await super()._determine_slot(command, *args)
 
 
 class _Following(aioredis.Connection):

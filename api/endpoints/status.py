@@ -95,17 +95,18 @@ def _shown(raw: bytes) -> dict[str, Any]:
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
-    """Readiness: Redis answers, this replica is not draining (so load balancers stop sending
-    it new requests), and a live worker serves at least one of its models; `models` gives
-    the live workers of each (a model without one still takes requests, which wait for a
-    worker up to their queue deadline)."""
+    """Readiness: Redis answers, the result reader reads this replica's feed (on a Redis
+    Cluster, the node of its slot may be down while the others answer), this replica is not
+    draining (so load balancers stop sending it new requests), and a live worker serves at
+    least one of its models; `models` gives the live workers of each (a model without one
+    still takes requests, which wait for a worker up to their queue deadline)."""
     ctx = _ctx(request)
     if ctx.live.draining:
         return json_response({"status": "draining"}, status_code=503)
-    if not ctx.reader.connected:
+    if not ctx.reader.connected or ctx.reader.failing is not None:
         return json_response({"status": "unavailable", "redis": "unreachable",
-                              "reason": ctx.reader.waiting or "connecting to Redis"},
-                             status_code=503)
+                              "reason": ctx.reader.waiting or ctx.reader.failing
+                              or "connecting to Redis"}, status_code=503)
     try:
         found = await live_workers(ctx)
     except Exception as e:

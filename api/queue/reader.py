@@ -28,6 +28,9 @@ that cannot be decoded ends only its own request (with an error), and should the
 fail, it is logged and restarted after a short pause, its subscriptions intact; `/health`
 shows whether it runs and how often it was restarted.
 
+While its reads fail (Redis, or the node of the feed's slot, does not answer) `failing` says
+why, and /ready is 503: a request taken then gets no results until the reads succeed again.
+
 A replica may start before Redis answers (a Kubernetes rollout, `redserve up` against a Redis
 still starting): the reader then waits for it, logging one line when the wait begins and one
 when it ends, and retrying with backoff meanwhile, while the replica serves its probes (/health
@@ -102,6 +105,7 @@ class ResultReader:
     recoveries: int = 0  # outages and failovers this reader has come back from
     restarts: int = 0
     waiting: str | None = None  # while Redis does not answer at start: why
+    failing: str | None = None  # while its reads fail: why (/ready is 503 meanwhile)
     _connected: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -228,9 +232,10 @@ class ResultReader:
                 backoff.reset()
                 if failing_since is not None:
                     self._recovered("Redis answers again")
-                failing_since = None
+                failing_since = self.failing = None
             except aioredis.RedisError as e:
                 failing_since = failing_since or now
+                self.failing = f"the result reader's reads fail: {e}"
                 if now - failing_since >= OUTAGE_AFTER_S:
                     self._fail_all(Error("lost the connection to Redis", "server_error",
                                          "redis_unavailable"))
