@@ -10,6 +10,7 @@ requests depend, survives malformed result entries and restarts after an unexpec
 from __future__ import annotations
 
 import asyncio
+import http.client
 import math
 import socket
 import threading
@@ -285,13 +286,18 @@ def test_an_idle_connection_is_kept_for_the_keep_alive_setting_then_closed(
     `REDSERVE_KEEP_ALIVE_S` has passed (by default 75 s: past the 60 s that nginx and cloud
     load balancers keep idle upstream connections, so that they close theirs first)."""
     assert ApiSettings().keep_alive_s > 60
-    with socket.create_connection(("127.0.0.1", scripted.port), timeout=10) as conn:
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        reply = conn.recv(4096)
+    conn = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        reply = conn.getresponse()
+        reply.read()  # the whole reply: the connection is idle from here on
         answered = time.monotonic()
-        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
-        rest = conn.recv(4096)  # blocks until the replica closes the idle connection
+        assert reply.status == 200 and not reply.will_close
+        assert conn.sock is not None
+        rest = conn.sock.recv(4096)  # blocks until the replica closes the idle connection
         idle = time.monotonic() - answered
+    finally:
+        conn.close()
     # Closed by the setting's 1 s, not uvicorn's own 5 s.
     assert rest == b"" and 0.9 <= idle < 4, (rest, idle)
 
