@@ -319,24 +319,26 @@ def test_redis_restarted_mid_load_every_request_ends_with_its_text_or_an_error(
     keys = Keys(stack.prefix)
     bodies = [{**_body(i), "max_tokens": 120} for i in range(16)]  # 8 running, 8 queued
     try:
-        async def run(restart_after_s: float | None = None) -> list[tuple[str, str]]:
+        async def run(restart: bool = False) -> list[tuple[str, str]]:
             nonlocal server
+            started = asyncio.Event()
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
-                streams = [asyncio.create_task(_stream_text(client, b)) for b in bodies]
-                if restart_after_s is not None:
-                    await asyncio.sleep(restart_after_s)
+                streams = [asyncio.create_task(_stream_text(client, b, started))
+                           for b in bodies]
+                if restart:
+                    # Once the first text is out: 8 requests running, 8 still queued, however
+                    # fast this machine runs them (a restart timed from the undisturbed run once
+                    # came after the end of this one).
+                    await started.wait()
                     server.stop()  # a restart: back at once, empty
                     server = EmbeddedRedis(port=server.port)
                     await asyncio.to_thread(server.start)
                 async with asyncio.timeout(90):  # none hangs
                     return await asyncio.gather(*streams)
 
-        started = time.monotonic()
         undisturbed = asyncio.run(run())
-        # Restart a third of the way through the load, however fast this machine runs it (a
-        # fixed second came after the end on a fast one).
         t0 = time.monotonic()
-        results = asyncio.run(run(restart_after_s=(t0 - started) / 3))
+        results = asyncio.run(run(restart=True))
         print(sorted(Counter(f for _, f in results).items()))  # shown with -s
         # Every request ends: with its full text, or with a clear error event.
         for (text, finish), (whole, _) in zip(results, undisturbed, strict=True):
