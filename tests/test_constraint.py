@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from shared import request_grammar as grammar
 from shared.messages import GenerateRequest, SamplingParams
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.constraint import Constraints
 from worker.engine.engine import AdmissionError, Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
@@ -50,7 +51,7 @@ def decode(tiny_model: Path):  # type: ignore[no-untyped-def]
 
 
 def _engine(model: PreTrainedModel, constraints: Constraints | None, pages: int = 256) -> Engine:
-    runner = ModelRunner(model, page_size=4)
+    runner = ModelRunner(Checkpoint.of(model), page_size=4)
     config = EngineConfig(max_running=8, max_step_tokens=64, max_model_len=512, page_size=4)
     return Engine(runner, KVPool(runner.kv_shape, pages, 4), config, eos_token_ids=(2,),
                   constraints=constraints)

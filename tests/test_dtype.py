@@ -20,6 +20,7 @@ from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from tests.marks import KERNELS_BF16
 from tests.stack import child_env
+from worker.engine import checkpoint
 from worker.engine.checkpoint import UnsupportedCheckpoint, check_config
 from worker.engine.chunk import Chunk
 from worker.engine.dtype import cpu_flags, pick_dtype
@@ -109,8 +110,7 @@ def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
                                                            bf16: PreTrainedModel) -> None:
     """One request at a time, every token identical to transformers' own bf16 greedy output
     (the torch kernels round as transformers' modules do)."""
-    runner = ModelRunner(AutoModelForCausalLM.from_pretrained(str(smollm2.path),
-                                                              dtype=torch.bfloat16),
+    runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
                          kernels="torch")
     assert runner.kv_shape.dtype == torch.bfloat16
     config = EngineConfig(max_running=1, max_step_tokens=512, max_model_len=8192,
@@ -150,8 +150,7 @@ def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
       roundings of the same size apart, so vs bf16 is held to 2x.
     Bounds: vs fp32 1.5x bf16's own error, and a mean gap below 0.05."""
     fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
-    runner = ModelRunner(AutoModelForCausalLM.from_pretrained(str(smollm2.path),
-                                                              dtype=torch.bfloat16),
+    runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
                          kernels=kernels)
     runner.attach(KVPool(runner.kv_shape, 128, 16))
     prompts = _prompts(smollm2.path)

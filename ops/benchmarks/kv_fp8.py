@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
 from ops.benchmarks.harness import engine as harness
@@ -39,6 +38,7 @@ from ops.benchmarks.quantization import QUESTIONS
 from ops.console import make_console
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
+from worker.engine import checkpoint
 from worker.engine.engine import Engine
 from worker.engine.kv_cache import KVCacheDtype
 from worker.engine.model_runner import ModelRunner
@@ -65,8 +65,8 @@ SPEED_CONFIGS = (Config("bf16 KV, pages of 16 (default)", torch.bfloat16, "auto"
 
 
 def _runner(path: Path, config: Config) -> ModelRunner:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=config.dtype)
-    return ModelRunner(model, release_modules=True, kernels="vllm-cpu",
+    weights = checkpoint.load(path, torch.device("cpu"), config.dtype)
+    return ModelRunner(weights, release_modules=True, kernels="vllm-cpu",
                        page_size=config.page_size, kv_cache_dtype=config.cache_dtype)
 
 

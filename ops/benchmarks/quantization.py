@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM
 
 from ops.benchmarks import drift
 from ops.benchmarks.harness import engine as harness
@@ -35,7 +34,7 @@ from ops.benchmarks.machine import describe
 from ops.console import make_console
 from shared.models import resolve_model
 from shared.settings import DEFAULT_MODEL, Settings
-from worker.engine import onednn
+from worker.engine import checkpoint, onednn
 from worker.engine.engine import Engine
 from worker.engine.linear import Linear
 from worker.engine.model_runner import ModelRunner
@@ -53,11 +52,12 @@ SPEED_CONFIGS = ("bf16", "int8", "int8 + lm_head")
 
 def _runner(path: Path, config: str) -> ModelRunner:
     dtype = torch.float32 if config == "fp32" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    runner = ModelRunner(model, release_modules=True,
+    weights = checkpoint.load(path, torch.device("cpu"), dtype)
+    head = weights.lm_head()
+    runner = ModelRunner(weights, release_modules=True,
                          quantization="int8" if config.startswith("int8") else "none")
     if config == "int8 + lm_head":
-        runner.lm_head = Linear(model.lm_head.weight, quantization="int8")
+        runner.lm_head = Linear(head, quantization="int8")
     return runner
 
 

@@ -48,7 +48,7 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
         log.info("CPU threads: %s", threads.describe())
         log.info("oneDNN primitive caches: %s", ", ".join(f"{k}={v}" for k, v in caches.items()))
     check_quantization(settings.quantization, dtype, device)  # before the slow load
-    runner = ModelRunner(checkpoint.load(info, device, dtype), release_modules=True,
+    runner = ModelRunner(checkpoint.load(info.path, device, dtype), release_modules=True,
                          kernels=settings.kernels, batch_invariant=settings.batch_invariant,
                          page_size=settings.page_size, quantization=settings.quantization,
                          kv_cache_dtype=settings.kv_cache_dtype)

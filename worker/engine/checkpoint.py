@@ -1,5 +1,13 @@
 """Loading a checkpoint this engine can run, and refusing one it cannot, before serving it.
 
+The engine needs a checkpoint's config and its tensors by name, never transformers' model
+classes: building one imports transformers' whole modelling stack (about 1.5 s of CPU on the
+development machine, most of a tiny model's worker start) and allocates modules only to copy
+their weights out. So the config comes from `AutoConfig`, the tensors straight from the
+safetensors files (one file or shards with an index); a checkpoint in another format (pytorch
+`.bin`) goes through transformers' loader instead. Tests and benchmarks that already hold a model
+wrap it with `Checkpoint.of`.
+
 The forward pass in `worker/engine/model_runner.py` is written for Llama-family decoders: SiLU-gated
 MLPs without bias, rotary embeddings whose tables depend only on the position, full causal
 attention. A checkpoint outside that (quantized weights, another activation, a RoPE variant
@@ -9,12 +17,15 @@ and then produce wrong text, so each of those is refused at start with the reaso
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-
-from shared.models import ModelInfo
+from safetensors import safe_open
+from transformers import AutoConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -56,9 +67,80 @@ def check_config(config: Any) -> None:  # a transformers PretrainedConfig (typed
             raise UnsupportedCheckpoint("sliding-window attention is not supported")
 
 
-def load(info: ModelInfo, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """The checkpoint's model in `dtype` on `device`, once its config passed `check_config`."""
-    check_config(AutoConfig.from_pretrained(str(info.path)))
-    model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype)
-    model.to(device)  # type: ignore[arg-type]
-    return model
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's config (a transformers `PretrainedConfig`, typed loosely) and its tensors
+    under transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`). The runner
+    takes the tensors out of `tensors` as it lays them out, so their memory is freed layer by
+    layer."""
+
+    config: Any
+    tensors: MutableMapping[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Checkpoint:
+        """A loaded transformers model's config and parameters (shared, not copied)."""
+        return cls(model.config, dict(model.state_dict()))
+
+    @property
+    def head_dim(self) -> int:
+        config = self.config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def lm_head(self) -> torch.Tensor:
+        """The vocabulary projection's weight: the embedding itself where the checkpoint ties
+        them and stores it once."""
+        head = self.tensors.get("lm_head.weight")
+        return head if head is not None else self.tensors["model.embed_tokens.weight"]
+
+
+def load(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint:
+    """The checkpoint's tensors in `dtype` on `device`, once its config passed `check_config`."""
+    config = AutoConfig.from_pretrained(str(path))
+    check_config(config)
+    files = _safetensors_files(path)
+    if files is None:  # not safetensors: transformers' loader reads the other formats
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model.to(device)  # type: ignore[arg-type]
+        return Checkpoint.of(model)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(device=device, dtype=dtype)
+                tensors[name] = tensor
+    return Checkpoint(config, tensors)
+
+
+def _safetensors_files(path: Path) -> list[Path] | None:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = orjson.loads(index.read_bytes())["weight_map"].values()
+        return [path / name for name in sorted(set(shards))]
+    single = path / "model.safetensors"
+    return [single] if single.exists() else None
+
+
+def rotary_tables(config: Any, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..max_len-1, [max_len, head_dim], computed as the checkpoints'
+    own rotary modules compute them (fp32, then cast), scaling variants included."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    positions = torch.arange(max_len, device=device, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float)[None]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)

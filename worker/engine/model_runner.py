@@ -1,9 +1,10 @@
 """One forward pass over a packed batch of prefill chunks and decode tokens, over paged KV.
 
-transformers supplies config and weights; the forward pass is written here because serving
-wants a different shape of computation than `model.forward`: every request's new tokens packed
-into one sequence with no padding, q/k/v and gate/up each fused into one matmul, weights laid
-out once for the kernel that runs them (`worker/engine/linear.py`), rotary tables computed once, and
+The checkpoint supplies config and weights (`worker/engine/checkpoint.py`); the forward pass
+is written here because serving wants a different shape of computation than `model.forward`:
+every request's new tokens packed into one sequence with no padding, q/k/v and gate/up each
+fused into one matmul, weights laid out once for the kernel that runs them
+(`worker/engine/linear.py`), rotary tables computed once, and
 attention reading each request's KV from its pages in the shared pool. With the torch kernels
 every op rounds as the checkpoint's own modules round in the compute dtype (RMSNorm in fp32,
 then cast, then scaled), so a request alone reproduces transformers' tokens at bf16 too, not
@@ -20,16 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from worker.engine.attention import Attention
 from worker.engine.attention.gather import GatherAttention
 from worker.engine.attention.paged import PagedAttention
-from worker.engine.checkpoint import check_config
+from worker.engine.checkpoint import Checkpoint, check_config, rotary_tables
 from worker.engine.chunk import Chunk
 from worker.engine.kernels import (
     KernelsUnavailable,
@@ -55,39 +54,38 @@ class _Layer:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, release_modules: bool = False,
+    def __init__(self, checkpoint: Checkpoint, *, release_modules: bool = False,
                  kernels: str = "auto", batch_invariant: bool = False,
                  page_size: int = 16, quantization: Quantization = "none",
                  kv_cache_dtype: KVCacheDtype = "auto") -> None:
-        """With `release_modules`, the model's decoder layers are dropped as they are fused
-        (the model is unusable afterwards). `kernels` and `batch_invariant` are chosen by
-        `worker/engine/kernels.py` for pools of `page_size`-token pages, which store KV as
-        `kv_cache_dtype` says (`worker/engine/kv_cache.py`)."""
-        config = model.config
+        """With `release_modules`, the checkpoint's tensors are taken out of it as they are
+        laid out (a lower peak at start; the checkpoint is unusable afterwards). `kernels` and
+        `batch_invariant` are chosen by `worker/engine/kernels.py` for pools of
+        `page_size`-token pages, which store KV as `kv_cache_dtype` says
+        (`worker/engine/kv_cache.py`)."""
+        config = checkpoint.config
         check_config(config)
-        inner = model.model
-        attn = inner.layers[0].self_attn
-        self.head_dim: int = attn.head_dim
+        self.head_dim: int = checkpoint.head_dim
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
-        self.scaling: float = attn.scaling
+        self.scaling: float = self.head_dim**-0.5
         self.eps: float = config.rms_norm_eps
-        param = next(model.parameters())
+        embed = checkpoint.tensors["model.embed_tokens.weight"]
         self.page_size = page_size
         if batch_invariant and quantization != "none":
             raise KernelsUnavailable("--batch-invariant is not offered with --quantization: "
                                      "only the unquantized linears' rounding was measured")
-        self.kernels = pick_kernels(kernels, device=param.device, dtype=param.dtype,
+        self.kernels = pick_kernels(kernels, device=embed.device, dtype=embed.dtype,
                                     head_dim=self.head_dim, page_size=page_size,
                                     batch_invariant=batch_invariant)
         check_kv_cache_dtype(kv_cache_dtype, self.kernels, head_dim=self.head_dim,
                              page_size=page_size)
         self.kv_shape = KVShape(
-            num_layers=len(inner.layers),
+            num_layers=config.num_hidden_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=param.dtype,
-            device=param.device,
+            dtype=embed.dtype,
+            device=embed.device,
             head_major=self.kernels.native,
             cache_dtype=kv_cache_dtype,
         )
@@ -95,16 +93,17 @@ class ModelRunner:
         # only on torch's oneDNN path (worker/engine/linear.py)
         native = self.kernels.native and not self.kernels.batch_invariant
         with torch.no_grad():
-            self.final_norm = _own(inner.norm.weight)
-            self.lm_head = Linear(model.lm_head.weight, native=native)
-            self.embed = _own(inner.embed_tokens.weight)  # its own copy even when tied
-            self.layers = []
-            for i, layer in enumerate(inner.layers):
-                self.layers.append(_fuse(layer, quantization, native))
-                if release_modules:  # free the unfused weights now: a lower peak at start
-                    inner.layers[i] = torch.nn.Identity()
-            cos, sin = _rotary_tables(inner.rotary_emb, config.max_position_embeddings,
-                                      param.device, param.dtype)
+            self.final_norm = _own(checkpoint.tensors["model.norm.weight"])
+            self.lm_head = Linear(checkpoint.lm_head(), native=native)
+            self.embed = _own(embed)  # its own copy even when tied
+            self.layers = [_fuse(checkpoint, f"model.layers.{i}.", quantization, native,
+                                 release_modules) for i in range(config.num_hidden_layers)]
+            if release_modules:
+                checkpoint.tensors.clear()
+            cos, sin = rotary_tables(config, config.max_position_embeddings, embed.device,
+                                     embed.dtype)
+            half = sin.shape[-1] // 2  # sin's first half negated (`layer_ops.rotate`)
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         ops = FusedLayerOps if self.kernels.native else TorchLayerOps
         self.ops: LayerOps = ops(cos, sin, self.eps)
         self.pool: KVPool | None = None
@@ -196,24 +195,39 @@ class ModelRunner:
         return linear(x)
 
 
-def _fuse(layer: Any, quantization: Quantization,  # layer: typed loosely by HF
-          native: bool) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
+def _fuse(checkpoint: Checkpoint, prefix: str, quantization: Quantization, native: bool,
+          release: bool) -> _Layer:
+    """Layer `prefix`'s weights fused for the forward pass: q/k/v in one linear, gate/up in
+    another. With `release`, each tensor leaves the checkpoint as it is used."""
+    tensors = checkpoint.tensors
+
+    def take(name: str) -> torch.Tensor | None:
+        name = prefix + name
+        return tensors.pop(name, None) if release else tensors.get(name)
+
+    def linear(*names: str) -> Linear:
+        weights = [take(f"{name}.weight") for name in names]
+        biases = [take(f"{name}.bias") for name in names]
+        assert all(w is not None for w in weights), f"{prefix}: a weight of {names} is missing"
+        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0],  # type: ignore
+                      torch.cat(biases) if biases[0] is not None else None,  # type: ignore
+                      quantization=quantization, native=native)
+
+    def norm(name: str) -> torch.Tensor | None:
+        weight = take(f"{name}.weight")
+        return _own(weight) if weight is not None else None
+
+    input_norm, post_norm = norm("input_layernorm"), norm("post_attention_layernorm")
+    assert input_norm is not None and post_norm is not None, f"{prefix}: a norm is missing"
     return _Layer(
-        input_norm=_own(layer.input_layernorm.weight),
-        qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                   torch.cat(biases) if biases[0] is not None else None,
-                   quantization=quantization, native=native),
-        q_norm=_own(q_norm.weight) if q_norm is not None else None,
-        k_norm=_own(k_norm.weight) if k_norm is not None else None,
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, quantization=quantization, native=native),
-        post_norm=_own(layer.post_attention_layernorm.weight),
-        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                       quantization=quantization, native=native),
-        down=Linear(mlp.down_proj.weight, quantization=quantization, native=native),
+        input_norm=input_norm,
+        qkv=linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        q_norm=norm("self_attn.q_norm"),  # Qwen3 only
+        k_norm=norm("self_attn.k_norm"),
+        o=linear("self_attn.o_proj"),
+        post_norm=post_norm,
+        gate_up=linear("mlp.gate_proj", "mlp.up_proj"),
+        down=linear("mlp.down_proj"),
     )
 
 
@@ -221,16 +235,3 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     """A private copy: checkpoint tensors may be views of the memory-mapped weight file,
     which stays resident while any of them lives."""
     return tensor.detach().clone()
-
-
-def _rotary_tables(rotary: torch.nn.Module, max_len: int, device: torch.device,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, [max_len, head_dim], from the checkpoint's own rotary
-    module (so rope scaling variants come with it); sin's first half negated (see
-    `worker.engine.layer_ops.rotate`)."""
-    positions = torch.arange(max_len, device=device)[None]
-    probe = torch.zeros(1, device=device, dtype=dtype)
-    cos, sin = rotary(probe, positions)
-    half = sin.shape[-1] // 2
-    sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
-    return cos[0].to(dtype), (sin[0] * sign.to(sin.dtype)).to(dtype)
