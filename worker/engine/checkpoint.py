@@ -84,8 +84,7 @@ class Checkpoint:
 
     @property
     def head_dim(self) -> int:
-        config = self.config
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return head_dim(self.config)
 
     def lm_head(self) -> torch.Tensor:
         """The vocabulary projection's weight: the embedding itself where the checkpoint ties
@@ -125,6 +124,10 @@ def _safetensors_files(path: Path) -> list[Path] | None:
     return [single] if single.exists() else None
 
 
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rotary_tables(config: Any, max_len: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for positions 0..max_len-1, [max_len, head_dim], computed as the checkpoints'
@@ -134,7 +137,7 @@ def rotary_tables(config: Any, max_len: int, device: torch.device,
     rope = getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = head_dim(config)
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0

@@ -1,0 +1,42 @@
+"""The worker's checkpoint reading (worker/engine/checkpoint.py) against transformers' own
+modules: the rotary tables of every RoPE variant it serves, bit for bit. (Loading weights
+from safetensors shards, and from a `.bin` checkpoint, is checked token for token against
+`generate` in tests/test_engine.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from worker.engine.checkpoint import STATIC_ROPE_TYPES, check_config, rotary_tables
+
+ROPE = {
+    "default": {"rope_type": "default", "rope_theta": 100000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 64},
+}
+
+
+def test_every_served_rope_variant_is_covered() -> None:
+    assert set(ROPE) == set(STATIC_ROPE_TYPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_type", sorted(ROPE))
+def test_rotary_tables_are_transformers_own(rope_type: str, dtype: torch.dtype) -> None:
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                         max_position_embeddings=256, rope_parameters=ROPE[rope_type])
+    check_config(config)
+    module = LlamaRotaryEmbedding(config)
+    positions = torch.arange(256)[None]
+    want_cos, want_sin = module(torch.zeros(1, dtype=dtype), positions)
+    cos, sin = rotary_tables(config, 256, torch.device("cpu"), dtype)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
