@@ -1,7 +1,8 @@
 """Where a decode step of the engine goes, against the matrix work it cannot avoid.
 
     python -m ops.benchmarks.step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
-                                  [--configs vllm-cpu batch-invariant torch]
+                                  [--configs vllm-cpu batch-invariant torch] [--page-size 16]
+                                  [--vllm-python V/bin/python]
 
 For each kernel configuration (`worker/engine/kernels.py`: the vllm-cpu kernels, the same in
 batch-invariant mode, and pure torch) and batch size B, on the default model: B requests with
@@ -19,6 +20,10 @@ given; pinned, where a worker measures which count is fastest as it runs). Besid
 - the batched sampler alone on the model's logits of the last step: all B rows greedy, and all
   at temperature 0.8 with top-p 0.9.
 Publishing is not part of a step: the worker publishes step k while step k+1 computes.
+Given `--vllm-python` (a Python with vLLM's CPU build: `ops/benchmarks/peers.py`), vLLM's own
+engine steps the same batches in that Python (`ops/benchmarks/vllm_step.py`: compiled as its CPU
+runner compiles it, its threads bound to every core) and its step and parts are printed beside
+ours, with the ratio of the two steps.
 Then the roofline (`ops/benchmarks/roofline.py`): the machine's read bandwidth and GEMM rate,
 measured on the threads the decode steps ran with, and for each step measured its FLOPs, the
 bytes it must read and write, the least time they allow per part (linears, attention) and the
@@ -28,10 +33,13 @@ step's % of that roofline.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,10 +47,11 @@ from rich.table import Table
 
 from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
+from ops.benchmarks.peers import all_cores, model_dir
 from ops.benchmarks.roofline import Machine, StepCost, measure_machine, mlp_shape, step_cost
 from ops.console import make_console
 from shared.messages import SamplingParams
-from shared.settings import DEFAULT_MODEL
+from shared.settings import DEFAULT_MODEL, WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.sampler import Row, sample
 from worker.engine.threads import usable_cpus
@@ -70,11 +79,11 @@ def _median_ms(fn: Callable[[], object], n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _engine(dtype: str, batch: int, config: str, threads: int) -> Engine:
+def _engine(dtype: str, batch: int, config: str, threads: int, page_size: int) -> Engine:
     kernels, invariant = CONFIGS[config]
     return harness.built(dtype=dtype, max_running=batch, kv_cache_memory=2 * 1024**3,
                          kernels=kernels, batch_invariant=invariant, threads=threads,
-                         decode_threads=threads)
+                         decode_threads=threads, page_size=page_size)
 
 
 def _fill(engine: Engine, batch: int, context: int) -> None:
@@ -191,6 +200,40 @@ def _bound(ms: float, flops: float, machine: Machine) -> str:
     return f"{ms:.2f} ({'compute' if compute else 'bytes'})"
 
 
+VLLM_PARTS = ("matrix", "attention", "KV writes", "other ops", "compiled (fused)")
+
+
+def _vllm_steps(python: str, dtype: str, batches: list[int], context: int,
+                steps: int) -> dict[str, Any]:
+    """vLLM's engine stepping the same batches, in `python` (ops/benchmarks/vllm_step.py)."""
+    script = str(Path(__file__).with_name("vllm_step.py"))
+    out = subprocess.run([python, script, model_dir(), "--dtype", dtype, "--context", str(context),
+                          "--steps", str(steps), "--bind", all_cores(),
+                          "--batches", *map(str, batches)],
+                         check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _peer_table(ours: dict[int, dict[str, float]], vllm: dict[str, Any], dtype: str) -> Table:
+    table = Table(title=f"decode step beside vLLM {vllm['vllm']}'s ({dtype}, its engine in "
+                        f"process, {vllm['threads']} threads; ms per step)")
+    for col in ("batch", "vLLM step", "ours", "ours/vLLM", *(f"vLLM {p}" for p in VLLM_PARTS),
+                "our matrix", "our attention", "our KV writes", "our other ops",
+                "our python, dispatch", "our outside forward"):
+        table.add_column(col)
+    for batch, parts in ours.items():
+        theirs = vllm["batches"].get(str(batch))
+        if theirs is None:
+            continue
+        table.add_row(str(batch), f"{theirs['step']:.1f}", f"{parts['step']:.1f}",
+                      f"{parts['step'] / theirs['step']:.2f}x",
+                      *(f"{theirs[p]:.1f}" for p in VLLM_PARTS),
+                      *(f"{parts[k]:.1f}" for k in ("matrix", "attention", "KV writes",
+                                                     "other ops", "python, dispatch",
+                                                     "outside forward")))
+    return table
+
+
 def main() -> None:
     from worker.engine.kernels import KernelsUnavailable
 
@@ -201,6 +244,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--threads", type=int, default=usable_cpus(), help="for every step")
+    ap.add_argument("--page-size", type=int, default=WorkerSettings().page_size,
+                    help="KV page size in tokens (the worker's --page-size)")
+    ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed: adds vLLM's step")
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
@@ -214,11 +260,12 @@ def main() -> None:
     dtype_used = ""
     machine: Machine | None = None
     costs: list[tuple[str, float, float, StepCost]] = []  # config, step, linear, cost
+    default_parts: dict[int, dict[str, float]] = {}  # the default kernels' parts, per batch
     for config in args.configs:
         for batch in args.batches:
             with console.status(f"{config}, batch {batch}"):
                 try:
-                    engine = _engine(args.dtype, batch, config, args.threads)
+                    engine = _engine(args.dtype, batch, config, args.threads, args.page_size)
                 except KernelsUnavailable as e:
                     console.print(f"{config}: not run here: {e}")
                     break
@@ -231,6 +278,8 @@ def main() -> None:
                 costs.append((config, parts["step"], linear,
                               step_cost(engine.runner, batch, kv_tokens)))
                 shape = mlp_shape(engine.runner)
+            if config == "vllm-cpu":
+                default_parts[batch] = parts
             ratio = parts["step"] / linear
             target = TARGETS.get(batch)
             verdict = "" if target is None else (
@@ -245,6 +294,15 @@ def main() -> None:
                 with console.status("measuring read bandwidth and GEMM rate"):
                     machine = measure_machine(dtype, shape)
     console.print(table)
+    if args.vllm_python and default_parts:
+        with console.status("vLLM's engine, the same batches"):
+            vllm = _vllm_steps(args.vllm_python, dtype_used, args.batches, args.context,
+                               args.steps)
+        console.print(_peer_table(default_parts, vllm, dtype_used))
+        for batch, theirs in vllm["batches"].items():
+            costliest = ", ".join(f"{name} {ms:.2f}" for name, ms in theirs["costliest"])
+            console.print(f"vLLM's costliest operations at batch {batch} (ms a step): "
+                          f"{costliest}")
     if machine is not None:
         console.print(machine.describe())
         console.print(_roofline_table(costs, machine))
