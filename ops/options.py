@@ -130,7 +130,7 @@ def worker_options(p: argparse.ArgumentParser) -> None:
                    "tenant; the default) or fifo (the oldest) [env REDSERVE_QUEUE_POLICY]")
     p.add_argument("--kv-cache-memory", type=float, help="KV page pool: bytes, or a fraction "
                    "(<= 1) of free device memory (default 1 GiB) [env REDSERVE_KV_CACHE_MEMORY]")
-    p.add_argument("--page-size", type=int, help="tokens per KV page (default 16) "
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default 32) "
                    "[env REDSERVE_PAGE_SIZE]")
     p.add_argument("--max-prefill-tokens", type=int, help="prompt tokens per step; longer "
                    "prompts run in chunks (default 512 on CPU, 8192 on CUDA) "

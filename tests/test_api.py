@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from shared.keys import Keys
 from shared.messages import Heartbeat
+from shared.settings import WorkerSettings
 from tests.stack import Stack
 from worker.engine.dtype import dtype_name, pick_dtype
 from worker.engine.native_ops import load_native_library
@@ -101,7 +102,8 @@ def test_streamed_deltas_concatenate_to_the_whole_reply(
         assert getattr(streamed_usage, field) == getattr(whole.usage, field)
     # The same prompt a second time: its full KV pages come from the worker's prefix cache.
     assert streamed_usage.prompt_tokens_details is not None
-    assert streamed_usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    page = WorkerSettings().page_size
+    assert streamed_usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // page * page
     if whole.choices[0].finish_reason == "length":
         assert whole.usage.completion_tokens == 24
     assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens

@@ -99,9 +99,11 @@ def _model(dtype: torch.dtype) -> PreTrainedModel:
     return LlamaForCausalLM(config).to(dtype).eval()  # type: ignore[arg-type]
 
 
-def _runner(model: PreTrainedModel, kernels: str, invariant: bool = False) -> ModelRunner:
-    runner = ModelRunner(Checkpoint.of(model), kernels=kernels, batch_invariant=invariant)
-    runner.attach(KVPool(runner.kv_shape, 64, 16))
+def _runner(model: PreTrainedModel, kernels: str, invariant: bool = False,
+            page_size: int = 16) -> ModelRunner:
+    runner = ModelRunner(Checkpoint.of(model), kernels=kernels, batch_invariant=invariant,
+                         page_size=page_size)
+    runner.attach(KVPool(runner.kv_shape, 64, page_size))
     return runner
 
 
@@ -123,11 +125,14 @@ def _step(runner: ModelRunner) -> torch.Tensor:
 
 
 @needs_native
+@pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("dtype,atol", [
     (torch.float32, 1e-4), pytest.param(torch.bfloat16, 0.15, marks=needs_native_bf16)])
-def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol: float) -> None:
+def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol: float,
+                                                       page_size: int) -> None:
     model = _model(dtype)
-    native, plain = _runner(model, "vllm-cpu"), _runner(model, "torch")
+    native = _runner(model, "vllm-cpu", page_size=page_size)
+    plain = _runner(model, "torch", page_size=page_size)
     assert native.kv_shape.head_major and not plain.kv_shape.head_major
     got, want = _step(native), _step(plain)
     assert got.shape == want.shape == (4, 500)
@@ -137,7 +142,9 @@ def test_native_kernels_compute_what_the_torch_ones_do(dtype: torch.dtype, atol:
 
 
 @needs_native_bf16
-def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch() -> None:
+@pytest.mark.parametrize("page_size", [16, 32])  # the kernel's 16-token variant, and its
+# 32-token ones (AMX on a CPU with it, worker/engine/attention/paged.py)
+def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch(page_size: int) -> None:
     """bf16: a request decoded alone, beside others, on one thread or two, and recomputed from
     its history in one prefill (what a worker that takes over a crashed one's request does)
     gets bit-identical logits at every position."""
@@ -164,7 +171,7 @@ def test_batch_invariant_mode_gives_a_token_the_same_bits_in_any_batch() -> None
         rows.append(runner.forward([Chunk(tokens[:-1], 0, PAGES[3], sample=True)])[0])
         return rows
 
-    runner = _runner(model, "vllm-cpu", invariant=True)
+    runner = _runner(model, "vllm-cpu", invariant=True, page_size=page_size)
     threads = torch.get_num_threads()
     try:  # and at any thread count, since the worker chooses each step's (threads.py)
         torch.set_num_threads(1)

@@ -323,8 +323,8 @@ def test_sigterm_drains_the_api_replica(
 def test_sigterm_lets_the_worker_finish_running_and_hand_back_the_rest(
     redis_url: str, tiny_model: Path, sync_redis: redis.Redis
 ) -> None:
-    # 32 KV pages of 16 tokens (1,024 bytes a token in fp32). The first request's 250-token
-    # prompt takes 16; the second's 300-token prompt needs 19, so it waits inside the worker.
+    # 16 KV pages of 32 tokens (1,024 bytes a token in fp32). The first request's 250-token
+    # prompt takes 8; the second's 300-token prompt needs 10, so it waits inside the worker.
     stack = Stack(redis_url, tiny_model, served_name=MODEL, env={
         "REDSERVE_KV_CACHE_MEMORY": str(1024 * 512), "REDSERVE_DRAIN_GRACE_S": "30",
         "REDSERVE_DTYPE": "float32",

@@ -25,11 +25,12 @@ from ops.testkit.probe import scrape
 from shared.keys import WORKER_GROUP, Keys
 from shared.messages import Heartbeat, PrefixSummary, RequestHash
 from shared.page_digest import prompt_digests
+from shared.settings import WorkerSettings
 from tests.stack import Stack, eventually, inspect, inspect_json
 from worker.engine.pages import PageManager
 
 MODEL = "tiny-llama"
-PAGE = 16
+PAGE = WorkerSettings().page_size  # the workers' default
 ENV = {"REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_DTYPE": "float32",
        "REDSERVE_KERNELS": "torch"}
 
