@@ -100,8 +100,9 @@ class PagedAttention:
             k, v = fp8_nearest(k), fp8_nearest(v)
         torch.ops._C.cpu_attn_reshape_and_cache(k, v, k_pool, v_pool, self._slots, self.isa,
                                                 KV_SCALE, KV_SCALE, cache_dtype)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        # q is read where it lies, a strided view of the fused q/k/v output: the kernel takes
+        # its row stride (tests/test_kernels.py compares it with the torch path), no copy.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         torch.ops._C.cpu_attention_with_kv_cache(
             q, k_pool, v_pool, out, self._starts, self._lens, self.scaling, True, None, -1,
             self._table, 0.0, self._metadata, None, None, KV_SCALE, KV_SCALE, cache_dtype)
