@@ -94,9 +94,16 @@ def test_up_given_a_sentinel_url_serves_and_is_quiet_while_its_worker_starts(
 
 @pytest.fixture(scope="module")
 def deployment(lab: FailoverLab, tiny_model: Path) -> Iterator[Deployment]:
+    # Speculation off: whether a position is computed as a decode or inside a multi-token
+    # verification depends on how full each step is (drafting stops at STEP_TOKENS), which the
+    # staggered load and the failover's stall change from run to run, and the torch kernels
+    # round the two differently; the random model's near-ties then flipped a token of 2 of 32
+    # streams in 2 of 5 full runs. This test is about Redis; a speculating worker continued
+    # exactly after a crash is tests/test_speculation_stack.py's.
     stack = Stack(lab.url, tiny_model, served_name=MODEL, workers=2, replicas=1, env={
         "REDSERVE_HEARTBEAT_TTL_S": "2", "REDSERVE_DTYPE": "float32",
-        "REDSERVE_KERNELS": "torch", "REDSERVE_MAX_RUNNING": "16"})
+        "REDSERVE_KERNELS": "torch", "REDSERVE_MAX_RUNNING": "16",
+        "REDSERVE_SPECULATION": "off"})
     try:
         stack.env["REDSERVE_ADMISSION_WAIT_REPLICAS"] = "1"
         stack.start()
