@@ -1,5 +1,6 @@
 """The worker's checkpoint reading (worker/engine/checkpoint.py) against transformers' own
-modules: the rotary tables of every RoPE variant it serves, bit for bit. (Loading weights
+modules: the rotary tables of every RoPE variant it serves, bit for bit; a checkpoint that
+lacks a tensor is refused by name. (Loading weights
 from safetensors shards, and from a `.bin` checkpoint, is checked token for token against
 `generate` in tests/test_engine.py.)"""
 
@@ -7,10 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from worker.engine.checkpoint import STATIC_ROPE_TYPES, check_config, rotary_tables
+from worker.engine.checkpoint import (
+    STATIC_ROPE_TYPES,
+    Checkpoint,
+    UnsupportedCheckpoint,
+    check_config,
+    rotary_tables,
+)
+from worker.engine.model_runner import ModelRunner
 
 ROPE = {
     "default": {"rope_type": "default", "rope_theta": 100000.0},
@@ -40,3 +48,15 @@ def test_rotary_tables_are_transformers_own(rope_type: str, dtype: torch.dtype) 
     cos, sin = rotary_tables(config, 256, torch.device("cpu"), dtype)
     assert cos.dtype == sin.dtype == dtype
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+@pytest.mark.parametrize("missing", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight",
+                                     "model.layers.0.input_layernorm.weight"])
+def test_a_checkpoint_without_a_tensor_is_refused_by_its_name(missing: str) -> None:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=100,
+                         max_position_embeddings=64)
+    checkpoint = Checkpoint.of(LlamaForCausalLM(config))
+    del checkpoint.tensors[missing]
+    with pytest.raises(UnsupportedCheckpoint, match=missing.replace(".", r"\.")):
+        ModelRunner(checkpoint, kernels="torch", release_modules=True)

@@ -86,11 +86,16 @@ class Checkpoint:
     def head_dim(self) -> int:
         return head_dim(self.config)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise UnsupportedCheckpoint(f"the checkpoint has no tensor {name}")
+        return self.tensors[name]
+
     def lm_head(self) -> torch.Tensor:
         """The vocabulary projection's weight: the embedding itself where the checkpoint ties
         them and stores it once."""
         head = self.tensors.get("lm_head.weight")
-        return head if head is not None else self.tensors["model.embed_tokens.weight"]
+        return head if head is not None else self.tensor("model.embed_tokens.weight")
 
 
 def load(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint:

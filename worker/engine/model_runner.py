@@ -28,7 +28,12 @@ import torch.nn.functional as F
 from worker.engine.attention import Attention
 from worker.engine.attention.gather import GatherAttention
 from worker.engine.attention.paged import PagedAttention
-from worker.engine.checkpoint import Checkpoint, check_config, rotary_tables
+from worker.engine.checkpoint import (
+    Checkpoint,
+    UnsupportedCheckpoint,
+    check_config,
+    rotary_tables,
+)
 from worker.engine.chunk import Chunk
 from worker.engine.kernels import (
     KernelsUnavailable,
@@ -70,7 +75,7 @@ class ModelRunner:
         self.num_kv_heads: int = config.num_key_value_heads
         self.scaling: float = self.head_dim**-0.5
         self.eps: float = config.rms_norm_eps
-        embed = checkpoint.tensors["model.embed_tokens.weight"]
+        embed = checkpoint.tensor("model.embed_tokens.weight")
         self.page_size = page_size
         if batch_invariant and quantization != "none":
             raise KernelsUnavailable("--batch-invariant is not offered with --quantization: "
@@ -93,7 +98,7 @@ class ModelRunner:
         # only on torch's oneDNN path (worker/engine/linear.py)
         native = self.kernels.native and not self.kernels.batch_invariant
         with torch.no_grad():
-            self.final_norm = _own(checkpoint.tensors["model.norm.weight"])
+            self.final_norm = _own(checkpoint.tensor("model.norm.weight"))
             self.lm_head = Linear(checkpoint.lm_head(), native=native)
             self.embed = _own(embed)  # its own copy even when tied
             self.layers = [_fuse(checkpoint, f"model.layers.{i}.", quantization, native,
@@ -205,27 +210,32 @@ def _fuse(checkpoint: Checkpoint, prefix: str, quantization: Quantization, nativ
         name = prefix + name
         return tensors.pop(name, None) if release else tensors.get(name)
 
+    def need(name: str) -> torch.Tensor:
+        tensor = take(name)
+        if tensor is None:
+            raise UnsupportedCheckpoint(f"the checkpoint has no tensor {prefix}{name}")
+        return tensor
+
     def linear(*names: str) -> Linear:
-        weights = [take(f"{name}.weight") for name in names]
-        biases = [take(f"{name}.bias") for name in names]
-        assert all(w is not None for w in weights), f"{prefix}: a weight of {names} is missing"
-        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0],  # type: ignore
-                      torch.cat(biases) if biases[0] is not None else None,  # type: ignore
-                      quantization=quantization, native=native)
+        weights = [need(f"{name}.weight") for name in names]
+        biases = [b for name in names if (b := take(f"{name}.bias")) is not None]
+        if biases and len(biases) < len(names):
+            raise UnsupportedCheckpoint(f"{prefix}: biases on some of {', '.join(names)} only")
+        bias = torch.cat(biases) if biases else None
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        return Linear(weight, bias, quantization=quantization, native=native)
 
     def norm(name: str) -> torch.Tensor | None:
         weight = take(f"{name}.weight")
         return _own(weight) if weight is not None else None
 
-    input_norm, post_norm = norm("input_layernorm"), norm("post_attention_layernorm")
-    assert input_norm is not None and post_norm is not None, f"{prefix}: a norm is missing"
     return _Layer(
-        input_norm=input_norm,
+        input_norm=_own(need("input_layernorm.weight")),
         qkv=linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         q_norm=norm("self_attn.q_norm"),  # Qwen3 only
         k_norm=norm("self_attn.k_norm"),
         o=linear("self_attn.o_proj"),
-        post_norm=post_norm,
+        post_norm=_own(need("post_attention_layernorm.weight")),
         gate_up=linear("mlp.gate_proj", "mlp.up_proj"),
         down=linear("mlp.down_proj"),
     )
