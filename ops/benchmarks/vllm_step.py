@@ -41,7 +41,8 @@ def _family(name: str) -> str | None:
             return family
     if name.startswith(("aten::", "_C::", "mkldnn::")):
         return "other ops"
-    if "cpp_fused" in name or name.startswith(("graph_", "kernel_cpp")):
+    # inductor's compiled graph (its fused elementwise kernels), as the profiler names it
+    if "CompiledFxGraph" in name or "cpp_fused" in name:
         return "compiled (fused)"
     return None
 
