@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import signal
 import sys
 
 from ops.inspector.inspect_command import add_arguments as add_inspect_arguments
@@ -90,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
         logging = (name for name in LOGGING if hasattr(args, name))
         setup_logging(settings_from(Settings, args, *logging),
                       loads_models=args.command in ("up", "api", "worker"))
+    if args.command in ("up", "api", "worker"):
+        # A crash in native code (a kernel, a tokenizer) leaves its Python stack in the log,
+        # and `kill -USR1 <pid>` writes every thread's stack there: what a stuck process is
+        # doing, without a debugger.
+        faulthandler.enable()
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command == "api":
         run_api(settings_from(ApiSettings, args, "host", "port", "model", "served_model_name",
                               "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",

@@ -49,6 +49,15 @@ def _sse(response: httpx.Response) -> Iterator[dict]:
             yield orjson.loads(line[6:])
 
 
+def _stacks(stack: Stack) -> str:
+    """The stack's logs once its API replica has written every thread's stack there
+    (`kill -USR1`): what it was doing."""
+    log = stack.logs[stack.workers]
+    stack.api_proc.send_signal(signal.SIGUSR1)
+    eventually(lambda: "most recent call first" in log.read_text())
+    return stack.output()
+
+
 @pytest.fixture(scope="module")
 def scripted(redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     """An API replica with no worker: the test writes the worker's side."""
@@ -93,8 +102,9 @@ def test_non_streaming_client_that_hangs_up_stops_the_work(
         client.close()  # the client hangs up
         # (failed once in a full run: the request's hash and the stack's logs say what it was
         # doing when its abort did not come)
-        assert eventually(lambda: sync_redis.exists(keys.abort(request_id))), (
-            request_id, _state(sync_redis, keys, request_id), tiny_stack.output())
+        if not eventually(lambda: sync_redis.exists(keys.abort(request_id))):
+            pytest.fail(f"no abort for {request_id}: {_state(sync_redis, keys, request_id)}\n"
+                        f"{_stacks(tiny_stack)}")
     finally:
         worker.send_signal(signal.SIGCONT)
     assert eventually(lambda: _ended(sync_redis, keys, request_id))
