@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import faulthandler
 import logging
+import os
 import signal
 import sys
 
@@ -23,7 +24,7 @@ from ops.options import (
     worker_options,
 )
 from shared.logs import setup_logging
-from shared.models import ModelNotFound, resolve_model
+from shared.models import ModelNotFound, converts_default, parse_specs, resolve_model
 from shared.settings import ApiSettings, Settings, WorkerSettings
 
 log = logging.getLogger("redserve.cli")
@@ -88,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.command == "api":
+        api_settings = settings_from(ApiSettings, args, "host", "port", "model",
+                                     "served_model_name", "models_file", "api_keys_file",
+                                     "no_auth", *LIMITS, "placement", "access_log",
+                                     "log_request_text")
+        _tokenizing_only(api_settings)  # before anything loads transformers
     if args.command != "bench":  # a client of any server: it needs no setting of redserve's
         logging = (name for name in LOGGING if hasattr(args, name))
         setup_logging(settings_from(Settings, args, *logging),
@@ -99,9 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         faulthandler.enable()
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command == "api":
-        run_api(settings_from(ApiSettings, args, "host", "port", "model", "served_model_name",
-                              "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",
-                              "access_log", "log_request_text"))
+        run_api(api_settings)
     elif args.command == "worker":
         run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", "device",
                                  "dtype", "kernels", "batch_invariant", "quantization",
@@ -121,6 +126,22 @@ def main(argv: list[str] | None = None) -> None:
         from ops.up import run_up
 
         sys.exit(run_up(args))
+
+
+def _tokenizing_only(settings: ApiSettings) -> None:
+    """An API replica tokenizes and never computes, yet transformers imports torch wherever it
+    is installed: 2.6 CPU-s and 240 MB more per replica start, for nothing. So torch is hidden
+    from this process (as in an image without it), unless this replica is the one to convert
+    the default model on its first use here, which needs torch. A bad model list is left to
+    `run_api` to say."""
+    try:
+        specs = parse_specs(settings.model, settings.served_model_name, settings.models_file)
+    except (ModelNotFound, OSError):
+        return
+    if not converts_default(specs, settings.cache_dir):
+        sys.modules.setdefault("torch", None)  # `import torch` raises ImportError from here on
+        # transformers' own notice that it runs without torch: expected here.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def _require_redis(settings: Settings) -> None:

@@ -154,6 +154,14 @@ def default_gguf_path() -> Path:
     raise ModelNotFound(f"{GGUF_DISTRIBUTION} holds no .gguf file")
 
 
+def converts_default(specs: list[ModelSpec], cache_dir: Path) -> bool:
+    """Whether resolving `specs` here converts the default model (its first use on this
+    machine), the one step of serving outside a worker that needs torch."""
+    return (any(s.source == DEFAULT_MODEL and not (Path(s.source) / "config.json").is_file()
+                for s in specs)
+            and not (cache_dir / "models" / DEFAULT_MODEL / "model.safetensors").is_file())
+
+
 def _ensure_default(cache_dir: Path) -> Path:
     target = cache_dir / "models" / DEFAULT_MODEL
     if (target / "model.safetensors").is_file():

