@@ -78,7 +78,7 @@ def _decode(runner: ModelRunner, prompts: list[list[int]],
             forced: list[list[int]] | None = None) -> tuple[list[list[int]], torch.Tensor]:
     """Every prompt in one batch, greedy or teacher-forced on `forced`: the tokens fed and
     their logprobs, [prompts, TOKENS]."""
-    runner.attach(KVPool(runner.kv_shape, 8 * len(prompts), 16))
+    runner.attach(KVPool(runner.kv_shape, 8 * len(prompts), runner.page_size))
     pages = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
     fed: list[list[int]] = [[] for _ in prompts]
     logprobs = torch.empty(len(prompts), TOKENS)

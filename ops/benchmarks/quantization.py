@@ -33,7 +33,7 @@ from ops.benchmarks.harness import engine as harness
 from ops.benchmarks.machine import describe
 from ops.console import make_console
 from shared.models import resolve_model
-from shared.settings import DEFAULT_MODEL, Settings
+from shared.settings import DEFAULT_MODEL, DEFAULT_PAGE_SIZE, Settings
 from worker.engine import checkpoint, onednn
 from worker.engine.engine import Engine
 from worker.engine.linear import Linear
@@ -46,7 +46,7 @@ QUESTIONS = ["What is KV Cache?", "Name three primary colors.", "Write a haiku a
              "Write a Python function that reverses a string.", "Summarise the plot of Hamlet.",
              "List four prime numbers and explain why they are prime.",
              "How does a hash table work?", "Translate 'good morning' into Spanish and German."]
-PAGE = 16
+PAGE = DEFAULT_PAGE_SIZE  # the worker's
 SPEED_CONFIGS = ("bf16", "int8", "int8 + lm_head")
 
 
