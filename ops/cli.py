@@ -139,7 +139,9 @@ def _tokenizing_only(settings: ApiSettings) -> None:
     except (ModelNotFound, OSError):
         return
     if not converts_default(specs, settings.cache_dir):
-        sys.modules.setdefault("torch", None)  # `import torch` raises ImportError from here on
+        # None in sys.modules: `import torch` raises ImportError from here on (Python's
+        # documented way), and transformers finds no torch.
+        sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
         # transformers' own notice that it runs without torch: expected here.
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
