@@ -111,7 +111,7 @@ def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
     """One request at a time, every token identical to transformers' own bf16 greedy output
     (the torch kernels round as transformers' modules do)."""
     runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
-                         kernels="torch")
+                         kernels="torch", page_size=16)
     assert runner.kv_shape.dtype == torch.bfloat16
     config = EngineConfig(max_running=1, max_step_tokens=512, max_model_len=8192,
                           page_size=16, prefix_caching=False)
@@ -151,7 +151,7 @@ def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
     Bounds: vs fp32 1.5x bf16's own error, and a mean gap below 0.05."""
     fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
     runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
-                         kernels=kernels)
+                         kernels=kernels, page_size=16)
     runner.attach(KVPool(runner.kv_shape, 128, 16))
     prompts = _prompts(smollm2.path)
     continuations = [_greedy(bf16, p) for p in prompts]
