@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -53,8 +54,9 @@ TIMED_OUT = Error("request timed out", "timeout", "request_timeout")
 
 class WorkerService:
     def __init__(self, settings: WorkerSettings, info: ModelInfo, engine: Engine,
-                 clients: RedisClients):
+                 clients: RedisClients, compute: Executor):
         self.settings = settings
+        self.compute = compute  # the one thread every step runs on (see `serve`)
         self.info = info
         self.engine = engine
         self.scheduler = engine.scheduler  # the queue, the batch and the KV pool
@@ -166,7 +168,8 @@ class WorkerService:
     async def _step(self) -> None:
         held = {rid: seq.request for rid, seq in self.scheduler.running.items()}
         held.update((seq.request.id, seq.request) for seq in self.scheduler.waiting)
-        step = asyncio.create_task(asyncio.to_thread(self._compute))
+        step = asyncio.ensure_future(
+            asyncio.get_running_loop().run_in_executor(self.compute, self._compute))
         failure: aioredis.RedisError | None = None
         try:
             await self.publisher.flush()  # the last step's results, during this one
@@ -202,7 +205,7 @@ class WorkerService:
         self.metrics.step_time.observe(time.perf_counter() - started)
         return outputs
 
-    async def _finish_step(self, step: asyncio.Task[list[StepOutput]]) -> list[StepOutput]:
+    async def _finish_step(self, step: asyncio.Future[list[StepOutput]]) -> list[StepOutput]:
         try:
             outputs = await step
         except Exception as e:  # a failed forward must not take the worker down
@@ -339,14 +342,20 @@ async def _first(*events: asyncio.Event) -> None:
 
 
 async def serve(settings: WorkerSettings, info: ModelInfo) -> None:
-    engine = await asyncio.to_thread(build_engine, info, settings)
+    # Every tensor operation of the worker runs on this one thread, from the engine's build
+    # to each step. OpenMP keeps a team of threads for each thread that starts parallel work,
+    # and once a process holds more of them than it has cores, libgomp stops spinning at its
+    # barriers and sleeps at each one: a batch-1 decode step on 2 vCPUs took 42 ms where it
+    # takes 23 ms with one team (docs/benchmarks.md, "Where one stream's time goes").
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redserve-compute")
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(compute, build_engine, info, settings)
     assert settings.redis_url is not None
     tracing.configure("redserve-worker", settings.worker_name or "")
     clients = connect(settings.redis_url, name="redserve-worker", cluster=settings.redis_cluster)
-    service = WorkerService(settings, info, engine, clients)
+    service = WorkerService(settings, info, engine, clients, compute)
     if settings.metrics_port:
         service.metrics.serve(settings.metrics_port)
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.stopping.set)
     try:
