@@ -159,17 +159,26 @@ def converts_default(specs: list[ModelSpec], cache_dir: Path) -> bool:
     machine), the one step of serving outside a worker that needs torch."""
     return (any(s.source == DEFAULT_MODEL and not (Path(s.source) / "config.json").is_file()
                 for s in specs)
-            and not (cache_dir / "models" / DEFAULT_MODEL / "model.safetensors").is_file())
+            and not _converted(_default_target(cache_dir)))
+
+
+def _default_target(cache_dir: Path) -> Path:
+    """Where the default model's conversion lives in the cache."""
+    return cache_dir / "models" / DEFAULT_MODEL
+
+
+def _converted(target: Path) -> bool:
+    return (target / "model.safetensors").is_file()
 
 
 def _ensure_default(cache_dir: Path) -> Path:
-    target = cache_dir / "models" / DEFAULT_MODEL
-    if (target / "model.safetensors").is_file():
+    target = _default_target(cache_dir)
+    if _converted(target):
         return target
     gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with conversion_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
-        if (target / "model.safetensors").is_file():  # another process converted it meanwhile
+        if _converted(target):  # another process converted it meanwhile
             return target
         log.info("converting %s into %s (once, about 20 s)", gguf.name, target)
         # Convert into a scratch directory and rename: an interrupted start never sees a

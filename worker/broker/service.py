@@ -363,3 +363,4 @@ async def serve(settings: WorkerSettings, info: ModelInfo) -> None:
     finally:
         await clients.close()
         tracing.shutdown()  # the spans still buffered go out
+        compute.shutdown(wait=False)  # its thread ends once idle

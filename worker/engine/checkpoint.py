@@ -86,10 +86,13 @@ class Checkpoint:
     def head_dim(self) -> int:
         return head_dim(self.config)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.tensors:
+    def tensor(self, name: str, release: bool = False) -> torch.Tensor:
+        """Tensor `name`, taken out of the checkpoint with `release`; a checkpoint without it
+        is refused by its name."""
+        found = self.tensors.pop(name, None) if release else self.tensors.get(name)
+        if found is None:
             raise UnsupportedCheckpoint(f"the checkpoint has no tensor {name}")
-        return self.tensors[name]
+        return found
 
     def lm_head(self) -> torch.Tensor:
         """The vocabulary projection's weight: the embedding itself where the checkpoint ties

@@ -212,10 +212,7 @@ def _fuse(checkpoint: Checkpoint, prefix: str, quantization: Quantization, nativ
         return tensors.pop(name, None) if release else tensors.get(name)
 
     def need(name: str) -> torch.Tensor:
-        tensor = take(name)
-        if tensor is None:
-            raise UnsupportedCheckpoint(f"the checkpoint has no tensor {prefix}{name}")
-        return tensor
+        return checkpoint.tensor(prefix + name, release)
 
     def linear(*names: str) -> Linear:
         weights = [need(f"{name}.weight") for name in names]
