@@ -25,6 +25,7 @@ from ops.testkit.probe import scrape, wait_healthy
 from shared.keys import Keys, replica_of
 from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
 from shared.redis_address import is_sentinel_url, parse_sentinel_url
+from shared.settings import WorkerSettings
 
 
 def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str]:
@@ -35,6 +36,10 @@ def child_env(redis_url: str | None, prefix: str, **extra: str) -> dict[str, str
     env["REDSERVE_KEY_PREFIX"] = prefix
     # Authentication is off unless a test gives keys (and then it is on: keys win).
     env["REDSERVE_NO_AUTH"] = "true"
+    # The workers of the tests serve the tiny models unless they say otherwise (SmolLM2's pass
+    # `real_kv()`): a pool of the default size would cost each worker start a second of CPU
+    # zeroing a gigabyte, and the parallel test processes' stacks that gigabyte each.
+    env["REDSERVE_KV_CACHE_MEMORY"] = str(TINY_KV_BYTES)
     env.update(extra)
     return env
 
@@ -85,7 +90,7 @@ class Stack:
 
     def _spawn(self, *args: str) -> None:
         named = ["--served-model-name", self.served_name] if self.served_name else []
-        defaults = {k: v for k, v in _small_kv(self.model).items() if k not in self.env}
+        defaults = {k: v for k, v in _kv_for(self.model).items() if k not in self.env}
         self.spawn(*args, "--model", str(self.model), *named, env=defaults)
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -173,10 +178,16 @@ class Stack:
 TINY_KV_BYTES = 64 * 1024**2
 
 
-def _small_kv(model: Path) -> dict[str, str]:
+def real_kv() -> dict[str, str]:
+    """The environment that gives a worker of a real model (SmolLM2) the default KV pool."""
+    default = WorkerSettings.model_fields["kv_cache_memory"].default
+    return {"REDSERVE_KV_CACHE_MEMORY": str(int(default))}
+
+
+def _kv_for(model: Path) -> dict[str, str]:
     config = model / "config.json"
     tiny = config.is_file() and json.loads(config.read_text()).get("hidden_size", 1 << 30) <= 256
-    return {"REDSERVE_KV_CACHE_MEMORY": str(TINY_KV_BYTES)} if tiny else {}
+    return {"REDSERVE_KV_CACHE_MEMORY": str(TINY_KV_BYTES)} if tiny else real_kv()
 
 
 def sync_client(url: str) -> redis.Redis:

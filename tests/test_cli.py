@@ -95,29 +95,34 @@ def test_without_keys_a_replica_refuses_to_start_unless_told_to_serve_openly() -
 
 @pytest.mark.parametrize(("how", "replicas", "workers"), [("ctrl-c", 1, 1), ("sigterm", 2, 2)])
 def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
-    tiny_model: Path, how: str, replicas: int, workers: int
+    tiny_model: Path, tmp_path: Path, how: str, replicas: int, workers: int
 ) -> None:
     port = free_port()
     while any(_in_use(port + i) for i in range(replicas)):
         port = free_port()
-    # No REDIS_URL: `up` must start its own Valkey.
-    up = subprocess.Popen(
-        [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model", str(tiny_model),
-         "--served-model-name", "tiny", "--replicas", str(replicas), "--workers", str(workers)],
-        env=_without_auth_choice(child_env(None, "rsup")), start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
+    # No REDIS_URL: `up` must start its own Valkey. Its output goes to a file, not a pipe
+    # that nobody reads until the end: a full pipe would stop every process of the stack.
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model",
+             str(tiny_model), "--served-model-name", "tiny", "--replicas", str(replicas),
+             "--workers", str(workers)],
+            env=_without_auth_choice(child_env(None, "rsup")), start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert up.poll() is None, up.stdout.read().decode() if up.stdout else ""
+            assert up.poll() is None, log.read_text()
             try:
                 if all(httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=1).status_code
                        == 200 for i in range(replicas)):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "redserve up never became healthy"
+            if time.monotonic() > deadline:
+                pytest.fail(f"redserve up never became healthy; its output:\n{log.read_text()}")
             time.sleep(0.25)
         for i in range(replicas):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port + i}/v1", api_key="x")
@@ -137,8 +142,7 @@ def test_up_serves_with_embedded_redis_and_stops_leaving_nothing(
             up.send_signal(signal.SIGTERM)  # an init system signals the parent only
         assert up.wait(60) == 0
         # No key and a loopback address: authentication is off, and `up` says so.
-        assert up.stdout is not None
-        assert "authentication is off" in " ".join(up.stdout.read().decode().split())
+        assert "authentication is off" in " ".join(log.read_text().split())
         deadline = time.monotonic() + 10
         while _session_members(up.pid) and time.monotonic() < deadline:
             time.sleep(0.1)

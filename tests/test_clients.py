@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from ops.embedded_redis import free_port
 from shared.models import ModelInfo
-from tests.stack import child_env
+from tests.stack import child_env, real_kv
 
 pytestmark = pytest.mark.smollm2
 
@@ -55,7 +55,7 @@ def up(redis_url: str, sync_redis: redis.Redis, smollm2: ModelInfo) -> Iterator[
         proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--model",
              str(smollm2.path), "--served-model-name", MODEL, "--dtype", "float32"],
-            env=child_env(redis_url, prefix), stdout=out, stderr=subprocess.STDOUT,
+            env=child_env(redis_url, prefix, **real_kv()), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
