@@ -3,6 +3,7 @@
     python -m ops.benchmarks.serve [--streams 32] [--max-tokens 64] [--dtypes bfloat16 float32]
                                    [--vllm-python V/bin/python] [--peers transformers vllm]
                                    [--variant "REDSERVE_DECODE_THREADS=1" ...]
+                                   [--larger 64 128] [--long-prompt 1000]
 
 Every figure is measured in this run on this machine, each server alone on it (the servers:
 `ops/benchmarks/peers.py`):
@@ -17,6 +18,10 @@ Every figure is measured in this run on this machine, each server alone on it (t
 - one stream, 128 tokens: decode tokens/s through HTTP for redserve and vLLM, and
   transformers `generate` in this process at its best dtype; redserve's time to first token
   beside `generate`'s (a one-token generate).
+- larger loads (`--larger`, `--long-prompt`), redserve and vLLM's best binding only: more
+  concurrent streams of the same stories, and `--streams` streams whose prompts are about
+  `--long-prompt` tokens each (none sharing a prefix with another), to show where each server
+  saturates and what TTFT does there.
 - start-up: each server's seconds from its launch to its first answered request (`--cold`:
   redserve on an empty model cache, so the model's conversion is included).
 - a 2,000-token prompt: redserve's time to first token through HTTP against one transformers
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import tempfile
 import time
 from collections.abc import Callable
@@ -83,25 +89,41 @@ async def _stream(client: httpx.AsyncClient, server: Server, content: str, max_t
     load.itl += reply.itl
 
 
-async def run_load(server: Server, streams: int, max_tokens: int, prompt: str | None) -> Load:
+@dataclass(frozen=True)
+class Run:
+    """One load: a stream for each prompt, all at once, each up to `max_tokens`."""
+    prompts: tuple[str, ...]
+    max_tokens: int
+    note: str = ""  # how the prompts differ from the stories
+
+    @property
+    def label(self) -> str:
+        return f"{len(self.prompts)} streams x {self.max_tokens}" + (
+            f", {self.note}" if self.note else "")
+
+
+def stories(streams: int) -> tuple[str, ...]:
+    return tuple(f"Write a long story about {TOPICS[i % len(TOPICS)]}, part "
+                 f"{i // len(TOPICS) + 1}." for i in range(streams))
+
+
+async def run_load(server: Server, run: Run) -> Load:
     load = Load()
-    limits = httpx.Limits(max_connections=streams + 4)
+    limits = httpx.Limits(max_connections=len(run.prompts) + 4)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(
-            _stream(client, server, prompt or f"Write a long story about "
-                    f"{TOPICS[i % len(TOPICS)]}, part {i // len(TOPICS) + 1}.", max_tokens, load)
-            for i in range(streams)))
+        await asyncio.gather(*(_stream(client, server, prompt, run.max_tokens, load)
+                               for prompt in run.prompts))
         load.seconds = time.perf_counter() - t0
     return load
 
 
-def measure(start: Callable[[], Server], runs: list[tuple[int, int, str | None]]) -> list[Load]:
+def measure(start: Callable[[], Server], runs: list[Run]) -> list[Load]:
     server = start()
     try:
         startup = server.wait()
-        asyncio.run(run_load(server, 4, 8, None))  # warm-up
-        loads = [asyncio.run(run_load(server, n, m, p)) for n, m, p in runs]
+        asyncio.run(run_load(server, Run(stories(4), 8)))  # warm-up
+        loads = [asyncio.run(run_load(server, run)) for run in runs]
         loads[0].startup_s = startup
         for load in loads:
             load.rss_mib = server.rss()
@@ -154,15 +176,21 @@ def _hf(dtype: str, max_tokens: int, long_ids: list[int]) -> tuple[float, float,
     return rate, min(forward), first
 
 
-def _long_prompt(n: int) -> tuple[str, list[int]]:
-    """A user message whose chat prompt is about `n` tokens, and those tokens."""
+@functools.cache
+def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir())
-    words = " ".join(f"{TOPICS[i % len(TOPICS)]} number {i}." for i in range(n))
+    return AutoTokenizer.from_pretrained(model_dir())
+
+
+def _long_prompt(n: int, first: int = 0) -> tuple[str, list[int]]:
+    """A user message whose chat prompt is about `n` tokens, and those tokens; prompts of
+    different `first` differ from their first word."""
+    tok = _tokenizer()
+    words = " ".join(f"{TOPICS[(first + i) % len(TOPICS)]} number {first + i}." for i in range(n))
     ids = tok(words)["input_ids"]
     text = str(tok.decode(ids[: n - 30]))
-    chat: list[int] = tok.apply_chat_template(  # type: ignore[assignment]
+    chat: list[int] = tok.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
     return text, chat
 
@@ -186,6 +214,10 @@ def main() -> None:
                     help="redserve alone, no ratios (the same as --peers with no name)")
     ap.add_argument("--variant", action="append", default=[], metavar="ENV",
                     help="another redserve run with these NAME=VALUE settings")
+    ap.add_argument("--larger", type=int, nargs="*", default=[64, 128], metavar="STREAMS",
+                    help="larger loads of the stories, redserve and vLLM only (default 64 128)")
+    ap.add_argument("--long-prompt", type=int, default=1000, metavar="TOKENS",
+                    help="then --streams streams with prompts of this many tokens (0: none)")
     ap.add_argument("--cold", action="store_true",
                     help="redserve starts on an empty model cache: its start-up includes the "
                          "model's conversion")
@@ -193,8 +225,13 @@ def main() -> None:
     console = make_console()
     console.print(describe())
     text, long_ids = _long_prompt(2000)
-    runs = [(args.streams, args.max_tokens, None), (1, 128, None), (1, 1, text)]
-    starts: dict[str, tuple[Callable[[], Server], list[tuple[int, int, str | None]]]] = {}
+    runs = [Run(stories(args.streams), args.max_tokens), Run(stories(1), 128), Run((text,), 1)]
+    larger = [Run(stories(n), args.max_tokens) for n in args.larger]
+    if args.long_prompt:
+        larger.append(Run(tuple(_long_prompt(args.long_prompt, 1 + 100 * i)[0]
+                                for i in range(args.streams)), args.max_tokens,
+                          f"{args.long_prompt}-token prompts"))
+    starts: dict[str, tuple[Callable[[], Server], list[Run]]] = {}
     if "transformers" in args.peers:
         for dtype in args.dtypes:
             for threads in (0, 1):  # on a few cores its own HTTP threads compete with torch's
@@ -204,11 +241,12 @@ def main() -> None:
         for dtype in args.vllm_dtypes:
             for bind in (all_cores(), "auto"):
                 starts[f"vLLM CPU {dtype}, bind {bind}"] = (
-                    partial(vllm_serve, args.vllm_python, dtype, bind), runs[:2])
+                    partial(vllm_serve, args.vllm_python, dtype, bind),
+                    runs[:2] + (larger if bind != "auto" else []))
     ours = f"redserve {args.redserve_dtype}"
     cold = tempfile.TemporaryDirectory() if args.cold else None
     first = {"REDSERVE_CACHE_DIR": cold.name} if cold is not None else None
-    starts[ours] = (partial(redserve, args.redserve_dtype, first), runs)
+    starts[ours] = (partial(redserve, args.redserve_dtype, first), runs + larger)
     for variant in args.variant:
         env = dict(kv.split("=", 1) for kv in variant.split())
         starts[f"redserve {args.redserve_dtype} {variant}"] = (
@@ -225,6 +263,9 @@ def main() -> None:
             with console.status(f"transformers generate and forward, {dtype}"):
                 hf[dtype] = _hf(dtype, 128, long_ids)
     _report(console, args, ours, results, hf, len(long_ids))
+    if larger:
+        _report_larger(console, larger, ours, {n: r for n, r in results.items()
+                                               if n == ours or len(r) > 2})
 
 
 def _decode_rate(single: Load) -> float:
@@ -288,6 +329,27 @@ def _report(console: Console, args: argparse.Namespace, ours_name: str,
     for d, (rate, fwd, _) in hf.items():
         console.print(f"  transformers {d}: generate {rate:.1f} tokens/s, forward "
                       f"{fwd * 1e3:.0f} ms")
+
+
+def _report_larger(console: Console, larger: list[Run], ours: str,
+                   results: dict[str, list[Load]]) -> None:
+    """The larger loads, each server's row beside the others'; they follow the first two runs
+    (redserve's third is the long single prompt)."""
+    table = Table(title="larger loads (greedy, through HTTP)")
+    for col in ("load", "server", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                "redserve / it, tokens/s", "redserve / it, TTFT p50"):
+        table.add_column(col)
+    for i, run in enumerate(larger):
+        mine = results[ours][3 + i]
+        for name, loads in results.items():
+            load = loads[(3 if name == ours else 2) + i]
+            table.add_row(run.label, name, f"{load.rate:.1f}",
+                          f"{percentile(load.ttft, 0.5) * 1e3:.0f}",
+                          f"{percentile(load.ttft, 0.99) * 1e3:.0f}",
+                          f"{percentile(load.itl or [0.0], 0.5) * 1e3:.1f}",
+                          f"{mine.rate / load.rate:.2f}x",
+                          f"{percentile(mine.ttft, 0.5) / percentile(load.ttft, 0.5):.2f}x")
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from rich.table import Table
 from ops.benchmarks.harness.client import percentile
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import redserve
-from ops.benchmarks.serve import Load, run_load
+from ops.benchmarks.serve import Load, Run, run_load, stories
 from ops.console import make_console
 from ops.testkit.otlp_receiver import OTLPReceiver
 from shared.settings import DEFAULT_MODEL
@@ -42,8 +42,8 @@ def _round(dtype: str, env: dict[str, str], streams: int, max_tokens: int,
     server = redserve(dtype, env, tree)
     try:
         server.wait()
-        asyncio.run(run_load(server, 4, 8, None))  # warm-up
-        return asyncio.run(run_load(server, streams, max_tokens, None))
+        asyncio.run(run_load(server, Run(stories(4), 8)))  # warm-up
+        return asyncio.run(run_load(server, Run(stories(streams), max_tokens)))
     finally:
         server.stop()
 
