@@ -18,10 +18,10 @@ Every figure is measured in this run on this machine, each server alone on it (t
 - one stream, 128 tokens: decode tokens/s through HTTP for redserve and vLLM, and
   transformers `generate` in this process at its best dtype; redserve's time to first token
   beside `generate`'s (a one-token generate).
-- larger loads (`--larger`, `--long-prompt`), redserve and vLLM's best binding only: more
-  concurrent streams of the same stories, and `--streams` streams whose prompts are about
-  `--long-prompt` tokens each (none sharing a prefix with another), to show where each server
-  saturates and what TTFT does there.
+- larger loads (`--larger`, `--long-prompt`), redserve (and its variants) and vLLM's best
+  binding only: more concurrent streams of the same stories, and `--streams` streams whose
+  prompts are about `--long-prompt` tokens each (none sharing a prefix with another), to show
+  where each server saturates and what TTFT does there.
 - start-up: each server's seconds from its launch to its first answered request (`--cold`:
   redserve on an empty model cache, so the model's conversion is included).
 - a 2,000-token prompt: redserve's time to first token through HTTP against one transformers
@@ -250,7 +250,7 @@ def main() -> None:
     for variant in args.variant:
         env = dict(kv.split("=", 1) for kv in variant.split())
         starts[f"redserve {args.redserve_dtype} {variant}"] = (
-            partial(redserve, args.redserve_dtype, env), runs[:2])
+            partial(redserve, args.redserve_dtype, env), runs[:2] + larger)
     results: dict[str, list[Load]] = {}
     for name, (start, its_runs) in starts.items():
         with console.status(name):
