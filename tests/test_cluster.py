@@ -51,19 +51,13 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     assert SERVER is not None and CLI is not None
-    ports = [_node_port() for _ in range(6)]
     root = Path(tempfile.mkdtemp(prefix="redserve-cluster-"))
-    nodes = {}
-    for port in ports:
-        (root / str(port)).mkdir()
-        nodes[port] = subprocess.Popen(
-            [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
-            cwd=root / str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    nodes: dict[int, subprocess.Popen[bytes]] = {}
     try:
-        for port, proc in nodes.items():
-            assert eventually(lambda p=port: _pings(p), 10), proc.poll()
+        for _ in range(6):
+            port, proc = _start_node(root)
+            nodes[port] = proc
+        ports = list(nodes)
         subprocess.run([CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
                         "--cluster-replicas", "1", "--cluster-yes"],
                        check=True, capture_output=True)
@@ -97,6 +91,29 @@ def _nodes(shard: object) -> list[dict[str, object]]:
         return dict(zip(flat[::2], flat[1::2], strict=True))  # type: ignore[arg-type]
     fields = shard if isinstance(shard, dict) else pairs(shard)  # type: ignore[arg-type]
     return [n if isinstance(n, dict) else pairs(n) for n in fields["nodes"]]  # type: ignore[union-attr, index]
+
+
+def _start_node(root: Path, tries: int = 5) -> tuple[int, subprocess.Popen[bytes]]:
+    """A cluster node answering on a free port. The ports are free when chosen, but a node may
+    still lose one to another process before it binds (its bus port lies in the range the OS
+    gives clients' connections, which the parallel tests open by the thousand): it exits at
+    once, and the next try takes other ports."""
+    assert SERVER is not None
+    for _ in range(tries):
+        port = _node_port()
+        (root / str(port)).mkdir()
+        proc = subprocess.Popen(
+            [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no",
+             "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
+            cwd=root / str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        def settled(p: int = port, n: subprocess.Popen[bytes] = proc) -> bool:
+            return _pings(p) or n.poll() is not None
+
+        assert eventually(settled, 10)
+        if proc.poll() is None:
+            return port, proc
+    pytest.fail(f"no cluster node started in {tries} tries (each exited at once)")
 
 
 def _node_port() -> int:
