@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 
 from ops.benchmarks.harness.client import body, stream
 from ops.benchmarks.harness.stack import Server
-from ops.benchmarks.machine import descendants, describe
+from ops.benchmarks.machine import cpu_seconds, descendants, describe
 from ops.benchmarks.peers import redserve
 
 PROMPT = "Write a long story about the sea."
@@ -39,12 +38,10 @@ def _cpu_by_process(server: Server) -> dict[int, tuple[str, float]]:
     seen: dict[int, tuple[str, float]] = {}
     for pid in descendants(server.proc.pid):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            cpu = cpu_seconds(pid)
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ticks = stat.rsplit(")", 1)[1].split()  # the fields after the command, from state on
-        cpu = (int(ticks[11]) + int(ticks[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         words = [a.decode(errors="replace") for a in argv if a] or ["?"]
         program = Path(words[0]).name
         name = " ".join(words[1:4]) if program.startswith("python") else program

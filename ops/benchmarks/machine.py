@@ -47,6 +47,12 @@ def peak_rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU process `pid` has used so far (OSError once it is gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it."""
     children: dict[int, list[int]] = {}

@@ -86,10 +86,14 @@ class Checkpoint:
     def head_dim(self) -> int:
         return head_dim(self.config)
 
+    def optional(self, name: str, release: bool = False) -> torch.Tensor | None:
+        """Tensor `name` or None, taken out of the checkpoint with `release`."""
+        return self.tensors.pop(name, None) if release else self.tensors.get(name)
+
     def tensor(self, name: str, release: bool = False) -> torch.Tensor:
         """Tensor `name`, taken out of the checkpoint with `release`; a checkpoint without it
         is refused by its name."""
-        found = self.tensors.pop(name, None) if release else self.tensors.get(name)
+        found = self.optional(name, release)
         if found is None:
             raise UnsupportedCheckpoint(f"the checkpoint has no tensor {name}")
         return found

@@ -205,11 +205,8 @@ def _fuse(checkpoint: Checkpoint, prefix: str, quantization: Quantization, nativ
           release: bool) -> _Layer:
     """Layer `prefix`'s weights fused for the forward pass: q/k/v in one linear, gate/up in
     another. With `release`, each tensor leaves the checkpoint as it is used."""
-    tensors = checkpoint.tensors
-
     def take(name: str) -> torch.Tensor | None:
-        name = prefix + name
-        return tensors.pop(name, None) if release else tensors.get(name)
+        return checkpoint.optional(prefix + name, release)
 
     def need(name: str) -> torch.Tensor:
         return checkpoint.tensor(prefix + name, release)

@@ -28,7 +28,7 @@ from typing import IO
 import httpx
 import redis
 
-from ops.benchmarks.machine import descendants, peak_rss_mib
+from ops.benchmarks.machine import cpu_seconds, descendants, peak_rss_mib
 from ops.embedded_redis import EmbeddedRedis, free_port
 from ops.testkit.probe import wait_healthy
 from shared.settings import DEFAULT_MODEL
@@ -170,8 +170,7 @@ class Processes:
 
     def cpu_seconds(self, name: str) -> float:
         """User and system CPU the process has used so far."""
-        fields = Path(f"/proc/{self.procs[name].pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.procs[name].pid)
 
     def _failure(self, what: str) -> str:
         self.failed = True
