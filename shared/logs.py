@@ -20,10 +20,15 @@ rather than at every call site.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any, TextIO
 
 import orjson
@@ -170,9 +175,10 @@ def setup_logging(settings: Settings, stream: TextIO | None = None,
                   loads_models: bool = False) -> None:
     """Send every logger of this process through one handler at `settings.log_level`.
 
-    `loads_models`: the process imports transformers (to load or convert a model), whose
+    `loads_models`: the process may import transformers (to load or convert a model), whose
     logger has a handler of its own and does not propagate, and whose progress bars write
-    to stderr; take both over (the import costs a second, so only where it is made anyway).
+    to stderr; both are taken over once it is imported (the import costs a second, so it is
+    never made here).
     """
     stream = stream or sys.stderr
     root = logging.getLogger()
@@ -187,10 +193,51 @@ def setup_logging(settings: Settings, stream: TextIO | None = None,
             logging.getLogger(name).setLevel(max(logging.INFO, root.level))
     logging.captureWarnings(True)
     if loads_models:
-        from transformers.utils import logging as transformers_logging
+        bars = not (settings.log_format == "json" or not stream.isatty())
+        if "transformers" in sys.modules:
+            _adopt_transformers(bars)
+        else:  # a worker of a checkpoint that needs none of it never imports it
+            sys.meta_path.insert(0, _OnImport("transformers", lambda: _adopt_transformers(bars)))
 
-        transformers_logging.disable_default_handler()
-        transformers_logging.enable_propagation()
-        # A bar redrawn with carriage returns is noise anywhere but a terminal.
-        if settings.log_format == "json" or not stream.isatty():
-            transformers_logging.disable_progress_bar()
+
+def _adopt_transformers(progress_bars: bool) -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    # A bar redrawn with carriage returns is noise anywhere but a terminal.
+    if not progress_bars:
+        transformers_logging.disable_progress_bar()
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Runs `then` right after the first import of the package `name`, whoever imports it:
+    its logging is taken over where it is imported, at no cost where it never is."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the search below is the import system's own
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.then()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the loader's interface
+        return getattr(self.loader, name)

@@ -19,11 +19,10 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
-from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+    from transformers import PreTrainedTokenizerBase
 
 # Per-step bounds (llguidance's defaults are generous for one process serving one user): a
 # pathological grammar fails its own request instead of stalling every row of the batch.
@@ -43,6 +42,8 @@ def tokenizer_view(tokenizer: PreTrainedTokenizerBase, n_vocab: int | None = Non
                    eos_token_ids: tuple[int, ...] = ()) -> llguidance.LLTokenizer:
     """llguidance's view of a fast HF tokenizer (about a second to build: build it once).
     `n_vocab` is the model's logits width when it pads the vocabulary."""
+    import llguidance.hf  # imports transformers: only where a tokenizer of its is at hand
+
     eos = list(eos_token_ids) or None
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab,  # type: ignore[arg-type]
                                         eos_token=eos)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from shared import request_grammar as grammar
 from shared.messages import GenerateRequest, SamplingParams
 from worker.engine.checkpoint import Checkpoint
-from worker.engine.constraint import Constraints
+from worker.engine.constraint import Constraints, tokenizer_view
 from worker.engine.engine import AdmissionError, Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
 from worker.engine.model_runner import ModelRunner
@@ -41,7 +41,24 @@ def model(tiny_model: Path) -> PreTrainedModel:
 @pytest.fixture(scope="module")
 def constraints(tiny_model: Path, model: PreTrainedModel) -> Constraints:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
-    return Constraints(tokenizer, model.config.vocab_size, (tokenizer.eos_token_id,))
+    return Constraints(tokenizer_view(tiny_model, model.config.vocab_size,
+                                      (tokenizer.eos_token_id,)))
+
+
+def test_the_workers_view_of_the_tokenizer_is_transformers_own(tiny_model: Path) -> None:
+    """The worker reads `tokenizer.json` itself (no transformers import at start); the replica
+    checks grammars with a view of transformers' tokenizer: the two agree on every token."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    eos = (tokenizer.eos_token_id,)
+    ours = tokenizer_view(tiny_model, len(tokenizer), eos)
+    theirs = grammar.tokenizer_view(tokenizer, len(tokenizer), eos)
+    assert ours.vocab_size == theirs.vocab_size == len(tokenizer)
+    assert ours.eos_token == theirs.eos_token
+    every = list(range(len(tokenizer)))
+    assert [ours.decode_bytes([i]) for i in every] == [theirs.decode_bytes([i]) for i in every]
+    text = "Hello, world! {\"ok\": true} <|im_start|>user\n  indented\tnaïve 😀 12345"
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    assert ours.is_special_token(eos[0]) and theirs.is_special_token(eos[0])
 
 
 @pytest.fixture(scope="module")

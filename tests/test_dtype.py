@@ -26,6 +26,7 @@ from worker.engine.chunk import Chunk
 from worker.engine.dtype import cpu_flags, pick_dtype
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool
+from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -61,11 +62,9 @@ def test_auto_reads_the_cpu_flags(tmp_path: Path) -> None:
 def test_checkpoints_it_cannot_compute_are_refused(change: dict[str, object], reason: str) -> None:
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-    check_config(config)  # the plain checkpoint passes
-    for key, value in change.items():
-        setattr(config, key, value)
+    check_config(ModelConfig.of(config))  # the plain checkpoint passes
     with pytest.raises(UnsupportedCheckpoint) as refused:
-        check_config(config)
+        check_config(ModelConfig.from_dict({**config.to_dict(), **change}))
     assert reason in str(refused.value)
 
 

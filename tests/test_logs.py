@@ -155,6 +155,26 @@ def test_a_refused_start_is_a_json_line_too(tmp_path: Path) -> None:
     assert record["level"] == "ERROR" and "REDIS_URL is not set" in record["msg"]
 
 
+def test_transformers_logs_through_the_handler_once_a_worker_imports_it() -> None:
+    """A worker imports transformers only for a checkpoint that needs it (a RoPE variant, a
+    `.bin` file, a model to convert); its logger and bars are taken over when it does."""
+    script = (
+        "import sys\n"
+        "from shared.logs import setup_logging\n"
+        "from shared.settings import Settings\n"
+        "setup_logging(Settings(log_format='json'), loads_models=True)\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers import AutoConfig\n"  # as the worker's lazy imports do
+        "from transformers.utils import logging as tl\n"
+        "tl.get_logger('transformers.test').warning('said by transformers')\n"
+        "assert not tl.is_progress_bar_enabled()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env=child_env(None, "rs"))
+    assert done.returncode == 0, done.stderr
+    [record] = _json_lines(done.stderr)
+    assert record["logger"] == "transformers.test" and record["msg"] == "said by transformers"
+
+
 def _logger(settings: Settings) -> tuple[logging.Logger, io.StringIO]:
     """A logger outside the process's tree, writing through the handler `settings` make
     into a buffer (not a terminal)."""

@@ -10,12 +10,11 @@ import logging
 
 import orjson
 import torch
-from transformers import AutoTokenizer
 
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
 from worker.engine import checkpoint, onednn
-from worker.engine.constraint import Constraints
+from worker.engine.constraint import Constraints, tokenizer_view
 from worker.engine.dev_hooks import DevHooks
 from worker.engine.dtype import dtype_name, pick_dtype
 from worker.engine.engine import Engine, EngineConfig
@@ -89,8 +88,7 @@ def speculation_config(settings: WorkerSettings) -> SpeculationConfig:
 def build_constraints(info: ModelInfo) -> Constraints:
     """The grammar compiler, over the model's tokenizer and its logits width."""
     vocab = int(orjson.loads((info.path / "config.json").read_bytes())["vocab_size"])
-    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    return Constraints(tokenizer, max(vocab, len(tokenizer)), info.eos_token_ids)
+    return Constraints(tokenizer_view(info.path, vocab, info.eos_token_ids))
 
 
 def _synthetic_engine(info: ModelInfo, settings: WorkerSettings, step_s: float) -> Engine:

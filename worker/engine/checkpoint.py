@@ -3,10 +3,10 @@
 The engine needs a checkpoint's config and its tensors by name, never transformers' model
 classes: building one imports transformers' whole modelling stack (about 1.5 s of CPU on the
 development machine, most of a tiny model's worker start) and allocates modules only to copy
-their weights out. So the config comes from `AutoConfig`, the tensors straight from the
-safetensors files (one file or shards with an index); a checkpoint in another format (pytorch
-`.bin`) goes through transformers' loader instead. Tests and benchmarks that already hold a model
-wrap it with `Checkpoint.of`.
+their weights out. So the config comes from `config.json` (`worker/engine/model_config.py`),
+the tensors straight from the safetensors files (one file or shards with an index); a checkpoint
+in another format (pytorch `.bin`) goes through transformers' loader instead. Tests and
+benchmarks that already hold a model wrap it with `Checkpoint.of`.
 
 The forward pass in `worker/engine/model_runner.py` is written for Llama-family decoders: SiLU-gated
 MLPs without bias, rotary embeddings whose tables depend only on the position, full causal
@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+
+from worker.engine.model_config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -38,53 +38,40 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint would load but this engine cannot compute it correctly."""
 
 
-def check_config(config: Any) -> None:  # a transformers PretrainedConfig (typed loosely)
+def check_config(config: ModelConfig) -> None:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedCheckpoint(
             f"model type {config.model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                  else getattr(quantization, "quant_method", None))
-        raise UnsupportedCheckpoint(f"quantized weights ({method or 'unknown method'}) are "
+    if config.quantization_method:
+        raise UnsupportedCheckpoint(f"quantized weights ({config.quantization_method}) are "
                                     "not supported: serve an unquantized checkpoint")
     if config.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedCheckpoint(f"activation {config.hidden_act!r} is not supported "
                                     f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-    if getattr(config, "mlp_bias", False):
+    if config.mlp_bias:
         raise UnsupportedCheckpoint("MLP biases are not supported")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if rope:
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise UnsupportedCheckpoint(
-                f"RoPE scaling {rope_type!r} is not supported (supported: "
-                f"{', '.join(STATIC_ROPE_TYPES)})")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        if window < config.max_position_embeddings:
-            raise UnsupportedCheckpoint("sliding-window attention is not supported")
+    if config.rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedCheckpoint(
+            f"RoPE scaling {config.rope_type!r} is not supported (supported: "
+            f"{', '.join(STATIC_ROPE_TYPES)})")
+    if config.sliding_window and config.sliding_window < config.max_position_embeddings:
+        raise UnsupportedCheckpoint("sliding-window attention is not supported")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint's config (a transformers `PretrainedConfig`, typed loosely) and its tensors
-    under transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`). The runner
-    takes the tensors out of `tensors` as it lays them out, so their memory is freed layer by
-    layer."""
+    """A checkpoint's config and its tensors under transformers' parameter names
+    (`model.layers.0.self_attn.q_proj.weight`). The runner takes the tensors out of `tensors` as
+    it lays them out, so their memory is freed layer by layer."""
 
-    config: Any
+    config: ModelConfig
     tensors: MutableMapping[str, torch.Tensor]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Checkpoint:
         """A loaded transformers model's config and parameters (shared, not copied)."""
-        return cls(model.config, dict(model.state_dict()))
-
-    @property
-    def head_dim(self) -> int:
-        return head_dim(self.config)
+        return cls(ModelConfig.of(model.config), dict(model.state_dict()))
 
     def optional(self, name: str, release: bool = False) -> torch.Tensor | None:
         """Tensor `name` or None, taken out of the checkpoint with `release`."""
@@ -107,7 +94,7 @@ class Checkpoint:
 
 def load(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint:
     """The checkpoint's tensors in `dtype` on `device`, once its config passed `check_config`."""
-    config = AutoConfig.from_pretrained(str(path))
+    config = ModelConfig.read(path)
     check_config(config)
     files = _safetensors_files(path)
     if files is None:  # not safetensors: transformers' loader reads the other formats
@@ -136,25 +123,22 @@ def _safetensors_files(path: Path) -> list[Path] | None:
     return [single] if single.exists() else None
 
 
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def rotary_tables(config: Any, max_len: int, device: torch.device,
+def rotary_tables(config: ModelConfig, max_len: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for positions 0..max_len-1, [max_len, head_dim], computed as the checkpoints'
-    own rotary modules compute them (fp32, then cast), scaling variants included."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        dim = head_dim(config)
-        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    own rotary modules compute them (fp32, then cast), scaling variants included (by
+    transformers' own functions, over the config transformers makes of the same fields)."""
+    if config.rope_type == "default":
+        dim = config.head_dim
+        base = config.rope["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        own = AutoConfig.for_model(**config.raw)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](own)
     positions = torch.arange(max_len, device=device, dtype=torch.float)
     freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float)[None]
     angles = torch.cat((freqs, freqs), dim=-1)

@@ -10,17 +10,24 @@ Each step, the rows to be sampled that carry a matcher get the next-token mask, 
 all of them at once by llguidance's thread pool (it drops the GIL), turned from bits into an
 additive bias (0 or -inf) and added to those rows only: an unconstrained row pays nothing.
 The same pass keeps stop tokens out of a row that has not reached its `min_tokens`.
+
+The worker's view of the tokenizer comes from the checkpoint's `tokenizer.json` through the Rust
+`tokenizers` library, not through transformers: importing transformers would cost every worker
+start about a second of CPU for one object. A checkpoint whose files need transformers' loader
+(no `tokenizer.json`, or added tokens that only `tokenizer_config.json` declares) goes through it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
 import llguidance
 import numpy as np
+import orjson
+import tokenizers
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from shared import request_grammar as grammar
 
@@ -56,10 +63,9 @@ class Constraint:
 class Constraints:
     """A worker's compiler of grammars into matchers, and its mask maker."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, n_vocab: int,
-                 eos_token_ids: tuple[int, ...], threads: int | None = None) -> None:
-        self.n_vocab = n_vocab
-        self.tokenizer = grammar.tokenizer_view(tokenizer, n_vocab, eos_token_ids)
+    def __init__(self, tokenizer: llguidance.LLTokenizer, threads: int | None = None) -> None:
+        self.n_vocab = tokenizer.vocab_size
+        self.tokenizer = tokenizer
         self.executor = llguidance.LLExecutor(threads)
         self._pristine: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
@@ -101,6 +107,36 @@ class Constraints:
         for k, (i, _) in enumerate(rows):
             logits[i, :width] += biases[k]
             logits[i, width:] = float("-inf")  # padding past the tokenizer's vocabulary
+
+
+def tokenizer_view(model: Path, n_vocab: int, eos_token_ids: tuple[int, ...]
+                   ) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer of the checkpoint in `model`, `n_vocab` wide at least
+    (the logits' width: a model may pad its vocabulary)."""
+    backend = _backend(model)
+    if backend is None:
+        from transformers import AutoTokenizer
+
+        loaded = AutoTokenizer.from_pretrained(str(model))
+        return grammar.tokenizer_view(loaded, max(n_vocab, len(loaded)), eos_token_ids)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(),
+                                  n_vocab=max(n_vocab, backend.get_vocab_size(True)),
+                                  eos_token=list(eos_token_ids) or None)
+
+
+def _backend(model: Path) -> tokenizers.Tokenizer | None:
+    """The checkpoint's `tokenizer.json`, or None where transformers would load more than it."""
+    if not (model / "tokenizer.json").exists():
+        return None
+    backend = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
+    config = model / "tokenizer_config.json"
+    declared = orjson.loads(config.read_bytes()) if config.exists() else {}
+    for token_id, token in (declared.get("added_tokens_decoder") or {}).items():
+        if backend.id_to_token(int(token_id)) != token.get("content"):
+            return None
+    return backend
 
 
 @torch.inference_mode()

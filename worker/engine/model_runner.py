@@ -71,7 +71,7 @@ class ModelRunner:
         (`worker/engine/kv_cache.py`)."""
         config = checkpoint.config
         check_config(config)
-        self.head_dim: int = checkpoint.head_dim
+        self.head_dim: int = config.head_dim
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
         self.scaling: float = self.head_dim**-0.5
