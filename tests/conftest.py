@@ -55,16 +55,17 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-# The longest modules of a full run (about 40 s or more each, from its durations report),
+# The longest modules of a full run (about 15 s or more each, measured per module),
 # longest first: the parallel run hands out whole modules in this order (`make test` keeps it:
 # --no-loadscope-reorder), so these start first and the short ones fill in around them, rather
 # than one of them starting last and running on alone.
 _LONGEST_FIRST = (
-    "test_fuzz", "test_chaos", "test_tools", "test_failover", "test_lifecycle", "test_up_chaos",
-    "test_resume", "test_cli", "test_dtype", "test_inspect", "test_smoke", "test_cluster",
-    "test_clients", "test_tracing", "test_leak_audit", "test_placement", "test_auth",
-    "test_start_before_redis", "test_logs", "test_record_chunks", "test_inspect_responses",
-    "test_no_worker", "test_fairness", "test_models",
+    "test_failover", "test_cli", "test_fuzz", "test_chaos", "test_tools", "test_inspect",
+    "test_dtype", "test_up_chaos", "test_smoke", "test_clients", "test_lifecycle", "test_resume",
+    "test_drain", "test_leak_audit", "test_cluster", "test_placement", "test_speculation_stack",
+    "test_smollm2", "test_tracing", "test_structured", "test_record_chunks", "test_auth",
+    "test_no_worker", "test_logs", "test_ratelimit", "test_fairness", "test_start_before_redis",
+    "test_inspect_responses", "test_models",
 )
 
 
