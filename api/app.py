@@ -13,7 +13,7 @@ from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
 from api.endpoints import chat, completions, requests, status, tokenize
 from api.endpoints.responses import routes as responses_routes
-from api.lifespan import SHUTDOWN_ERROR, Lifespan
+from api.lifespan import Lifespan
 from api.protocol import errors
 from api.queue.context import AppContext
 from api.queue.metrics import APIMetrics, CountResponses
@@ -102,18 +102,23 @@ def load_policies(settings: ApiSettings, api_keys: APIKeys) -> TenantPolicies:
 
 async def drain(app: FastAPI, grace_s: float) -> None:
     """Refuse new requests, give open ones (resumed streams too) `grace_s` to finish, then
-    end the rest with an error (an SSE error event for streams) and give their handlers a
-    moment to send it."""
+    end this replica's part of the rest (`Live.stop_all`: a stream that can be resumed goes on
+    and its client is told where to resume it) and give their handlers a moment to send it."""
     ctx: AppContext = app.state.ctx
     ctx.live.draining = True
+    log.info("draining: replica %s takes no new requests and gives the %d open %.0f s to end",
+             ctx.replica, len(ctx.live.all()), grace_s)
     try:
         async with asyncio.timeout(grace_s):
             await ctx.live.wait_idle()
+        log.info("drained: replica %s, every request ended", ctx.replica)
         return
     except TimeoutError:
         pass
-    for request in ctx.live.all():
-        request.fail(SHUTDOWN_ERROR)
+    left = ctx.live.all()
+    log.info("drained: replica %s ends its part of the %d request(s) still open (their "
+             "streams resume on another replica)", ctx.replica, len(left))
+    ctx.live.stop_all()
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(2.0):
             await ctx.live.wait_idle()

@@ -35,7 +35,6 @@ from shared.redis_conn import RedisClients, connect
 from shared.settings import ApiSettings
 from shared.tenants import TenantPolicies
 
-SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
 # How long a shutdown waits for background responses to store their ends (one write each).
 BACKGROUND_WAIT_S = 2.0
 
@@ -144,11 +143,10 @@ def watch(ctx: AppContext) -> None:
 
 
 async def shut_down(ctx: AppContext) -> None:
-    """Requests still open here are past the drain: end them, then stop reading. Disconnected
-    streams still in their resume grace run on to their end (another replica may be serving
-    their resume); only the pending cancellation goes."""
-    for request in ctx.live.all():
-        request.fail(SHUTDOWN_ERROR)
+    """Requests still open here are past the drain: end their part here (`Live.stop_all`),
+    then stop reading. Disconnected streams still in their resume grace run on to their end
+    (another replica may be serving their resume); only the pending cancellation goes."""
+    ctx.live.stop_all()
     for deferred in list(ctx.live.deferred):
         deferred.cancel()
     if ctx.live.background:  # their requests just failed: each stores its end, then stops

@@ -7,7 +7,10 @@ is not stopping is started again with the same command line (the same worker `--
 worker takes back the requests still pending under it; the same API port), after a delay that
 doubles on each failure up to a cap, so a child that cannot start does not spin. The delay
 starts over once a child has stayed up a while. Stopping is `up`'s: SIGTERM to every child
-(they drain), a kill after a grace, and no restarts from then on.
+(they drain), a kill after a grace, and no restarts from then on. A rolling restart (SIGHUP to
+`up`) stops and starts each child in turn, the next one only once the last serves again
+(`ChildSpec.ready`), so the system never stops serving: a replica's streams are resumed on
+another, a worker's requests taken back by the worker it hands them to.
 
 Every exit it notices is logged with the child's name, how it ended and when it comes back,
 as prose for a person and as fields (`child.exited`, `child.failing`) for a log collector.
@@ -51,10 +54,15 @@ class Backoff:
         return failures >= self.failing_after
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class ChildSpec:
     name: str  # what the log calls it: "worker host-up42-0-0 (tiny)", "API replica :8000"
     argv: tuple[str, ...]
+    ready: Callable[[], bool] = _always  # whether it serves (after a start)
 
 
 class Child:
@@ -138,6 +146,32 @@ class Supervisor:
             else:
                 log.warning("%s %s after %.1fs; restarting in %gs", child.spec.name,
                             describe_exit(code), ran, delay, extra={"fields": fields})
+
+    def roll(self, grace: float, stopping: Callable[[], bool]) -> None:
+        """A rolling restart: each child in turn is stopped (SIGTERM: it drains; killed past
+        `grace`) and started again at once, and the next waits until it is ready; exited
+        children go on being restarted meanwhile. Ends early once `stopping()`."""
+        log.info("rolling restart: %d children, one at a time",
+                 len(self.children), extra={"fields": {"event": "up.rolling"}})
+        for child in self.children:
+            if stopping() or self.stopping:
+                return
+            proc = child.proc
+            if proc is not None and proc.poll() is None:
+                log.info("rolling restart: stopping %s", child.spec.name)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            child.restarts += 1
+            child.failures = 0
+            self._spawn(child)
+            while not child.spec.ready() and not stopping():
+                self.poll()
+                time.sleep(0.2)
+        log.info("rolling restart done", extra={"fields": {"event": "up.rolled"}})
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every running child (they drain), kill those still running after `grace`;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -66,13 +67,17 @@ def run_up(args: argparse.Namespace) -> int:
         log.info("model %s at %s", info.name, info.path)
     from ops.embedded_redis import EmbeddedRedis
 
-    stop = {"signal": 0}
+    stop = {"signal": 0, "roll": 0}
 
     def on_signal(signum: int, _: object) -> None:
         stop["signal"] = signum
 
+    def on_hangup(signum: int, _: object) -> None:
+        stop["roll"] = signum
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     embedded: EmbeddedRedis | None = None
     env = {k: v for k, v in os.environ.items() if k.upper() not in _MODEL_ENV}
     env.update(auth_env)
@@ -83,16 +88,20 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         _say_if_redis_is_down(settings.redis_url, settings.redis_cluster)
     ports = [settings.port + i for i in range(args.replicas)]
-    children = _up_children(args, infos, host, ports, settings)
-
-    supervisor = Supervisor(children, env)
     local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     local = f"[{local}]" if ":" in local else local
     names = [info.name for info in infos]
+    children = _up_children(args, infos, host, [f"http://{local}:{port}" for port in ports],
+                            settings)
+
+    supervisor = Supervisor(children, env)
     ready, next_probe = False, 0.0
     try:
         supervisor.start()
         while not stop["signal"]:
+            if stop["roll"]:  # SIGHUP: every replica and worker restarted, one at a time
+                stop["roll"] = 0
+                supervisor.roll(settings.drain_grace_s + 10, lambda: bool(stop["signal"]))
             supervisor.poll()
             if not ready and time.monotonic() >= next_probe:
                 ready = all(_replica_ready(f"http://{local}:{port}", names) for port in ports)
@@ -118,9 +127,10 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
-                 ports: list[int], settings: ApiSettings) -> list[ChildSpec]:
+                 urls: list[str], settings: ApiSettings) -> list[ChildSpec]:
     """`--workers` workers per model, each with its share of the cores, then the replicas,
-    each serving every model; all of them log as `up` was told to."""
+    each serving every model on its URL; all of them log as `up` was told to. A worker is ready
+    once a replica lists it live, a replica once it serves (what a rolling restart waits for)."""
     from worker.engine.threads import usable_cpus
 
     processes = args.workers * len(infos)
@@ -142,15 +152,19 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
             name = f"{socket.gethostname()}-up{os.getpid()}-{m}-{i}"
             children.append(ChildSpec(f"worker {name} ({info.name})", (
                 *me, "worker", "--model", str(info.path), "--served-model-name", info.name,
-                "--name", name, *worker_flags, *logs)))
+                "--name", name, *worker_flags, *logs),
+                functools.partial(_worker_live, urls, name)))
     every_model = [f for info in infos for f in ("--model", f"{info.name}={info.path}")]
     access = ["--access-log"] if settings.access_log else []
     limits = [f for name in LIMITS if getattr(args, name) is not None
               for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     placement = ["--placement", args.placement] if args.placement else []
-    return children + [ChildSpec(f"API replica :{port}", (
-        *me, "api", "--host", host, "--port", str(port), *every_model, *limits, *placement,
-        *logs, *access)) for port in ports]
+    models = [info.name for info in infos]
+    replicas = [ChildSpec(f"API replica :{url.rsplit(':', 1)[1]}", (
+        *me, "api", "--host", host, "--port", url.rsplit(":", 1)[1], *every_model, *limits,
+        *placement, *logs, *access), functools.partial(_replica_ready, url, models))
+        for url in urls]
+    return children + replicas
 
 
 def _say_if_redis_is_down(url: str, cluster: bool) -> None:
@@ -185,6 +199,18 @@ def _replica_ready(base_url: str, models: list[str]) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     return serves_all(body, models)
+
+
+def _worker_live(urls: list[str], name: str) -> bool:
+    """A replica lists worker `name` live (its heartbeat is there, and it is not draining)."""
+    for url in urls:
+        try:
+            workers = httpx.get(f"{url}/health", timeout=1.0).json().get("workers")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            continue
+        if isinstance(workers, dict) and name in workers:
+            return True
+    return False
 
 
 def serves_all(ready_body: object, models: list[str]) -> bool:

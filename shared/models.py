@@ -16,14 +16,18 @@ serves exactly one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.metadata
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -184,11 +188,17 @@ def _ensure_default(cache_dir: Path) -> Path:
         # Convert into a scratch directory and rename: an interrupted start never sees a
         # half-written checkpoint.
         scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        started = time.monotonic()
         try:
-            _convert_gguf(gguf, scratch)
+            # transformers' GGUF reader draws a progress bar of its own, redrawn with carriage
+            # returns: one endless line in a container's log. Only a terminal gets it.
+            with (contextlib.nullcontext() if sys.stderr.isatty()
+                  else contextlib.redirect_stderr(io.StringIO())):
+                _convert_gguf(gguf, scratch)
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        log.info("converted %s in %.0f s", gguf.name, time.monotonic() - started)
     return target
 
 

@@ -61,11 +61,12 @@ def _names(code: types.CodeType) -> set[str]:
 # than one of them starting last and running on alone.
 _LONGEST_FIRST = (
     "test_failover", "test_cli", "test_fuzz", "test_chaos", "test_tools", "test_inspect",
-    "test_dtype", "test_up_chaos", "test_smoke", "test_clients", "test_lifecycle", "test_resume",
-    "test_drain", "test_leak_audit", "test_cluster", "test_placement", "test_speculation_stack",
-    "test_smollm2", "test_tracing", "test_structured", "test_record_chunks", "test_auth",
-    "test_no_worker", "test_logs", "test_ratelimit", "test_fairness", "test_start_before_redis",
-    "test_inspect_responses", "test_models",
+    "test_dtype", "test_up_chaos", "test_smoke", "test_clients", "test_lifecycle", "test_rollout",
+    "test_resume", "test_model_cache", "test_drain", "test_leak_audit", "test_cluster",
+    "test_placement", "test_speculation_stack", "test_smollm2", "test_tracing",
+    "test_structured", "test_record_chunks", "test_auth", "test_no_worker", "test_logs",
+    "test_ratelimit", "test_fairness", "test_start_before_redis", "test_inspect_responses",
+    "test_models",
 )
 
 

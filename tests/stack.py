@@ -246,13 +246,15 @@ class Up:
 
 
 @contextlib.contextmanager
-def redserve_up(env: dict[str, str], port: int, model: Path, served_name: str) -> Iterator[Up]:
+def redserve_up(env: dict[str, str], port: int, model: Path, served_name: str,
+                *more: str) -> Iterator[Up]:
     """`redserve up` started as a user starts it and waited on until it says it is ready; on
     leaving, stopped as a user stops it (SIGTERM), which must end it cleanly (exit 0)."""
     log = Path(tempfile.mkstemp(prefix="redserve-up-", suffix=".log")[1])
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port),
-                                 "--model", str(model), "--served-model-name", served_name],
+                                 "--model", str(model), "--served-model-name", served_name,
+                                 *more],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     up = Up(proc, log)
     try:

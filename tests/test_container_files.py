@@ -159,6 +159,27 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     assert compose["x-redserve"]["build"]["args"]["TORCH_INDEX"] == "${TORCH_INDEX:-}"
 
 
+def _seconds(period: str) -> int:
+    assert re.fullmatch(r"\d+s", period), period
+    return int(period[:-1])
+
+
+def test_compose_stops_the_replicas_before_nginx_each_within_its_grace() -> None:
+    """`docker compose down` or `stop`: Compose stops a service before those it depends on, so
+    the replicas drain (their streams end with [DONE], or a `replica_shutdown` event at their
+    grace) while nginx still carries the streams; then nginx quits gracefully (SIGQUIT),
+    within a grace longer than the replicas', which is longer than their drain."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    api, nginx, worker = services["api"], services["nginx"], services["worker"]
+    assert "nginx" in api["depends_on"] and "redis" in api["depends_on"]
+    assert "api" not in nginx.get("depends_on", {})
+    assert nginx["stop_signal"] == "SIGQUIT"
+    drain = float(compose["x-redserve"]["environment"]["REDSERVE_DRAIN_GRACE_S"])
+    assert _seconds(nginx["stop_grace_period"]) > _seconds(api["stop_grace_period"]) > drain
+    assert _seconds(worker["stop_grace_period"]) > drain
+
+
 def _instructions() -> list[tuple[str, str]]:
     """ops/Dockerfile as (instruction, arguments), continuation lines joined."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())

@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from shared.keys import WORKER_GROUP, Keys
-from shared.messages import Finish, Tokens
-from tests.stack import Stack, eventually, publish
+from shared.messages import Finish, RequestField, Tokens
+from tests.stack import Stack, eventually, publish, queued_requests
 
 MODEL = "tiny-llama"
 # Speculation off: at temperature 0 the tiny model repeats itself, and its drafts would end a
@@ -40,8 +40,14 @@ def _api_only(redis_url: str, tiny_model: Path, grace: str) -> Stack:
 def test_sigterm_drains_the_api_replica(
     redis_url: str, tiny_model: Path, sync_redis: redis.Redis, finishes_in_grace: bool
 ) -> None:
+    """Not ready and refusing at once; an open stream finishes within the grace, or at the
+    grace ends with `replica_shutdown` (resumable, its worker not told); a JSON request still
+    waiting then gets a retryable 503 and its worker is told to stop."""
     stack = _api_only(redis_url, tiny_model, "3" if finishes_in_grace else "1")
     keys = Keys(stack.prefix)
+    replies: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: replies.append(httpx.post(
+        f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": "y"}, timeout=30)))
     try:
         with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}
@@ -50,6 +56,10 @@ def test_sigterm_drains_the_api_replica(
             publish(sync_redis, keys, request_id, Tokens(0, (42,)))
             events = _sse(response)
             first = next(events)
+            if not finishes_in_grace:
+                waiting.start()
+                [json_request] = [r for r in queued_requests(sync_redis, keys.requests(MODEL), 2)
+                                  if r.id != request_id]
             stack.api_proc.send_signal(signal.SIGTERM)
             assert eventually(lambda: httpx.get(f"{stack.base_url}/ready").status_code == 503, 3)
             refused = httpx.post(f"{stack.base_url}/v1/completions",
@@ -62,9 +72,19 @@ def test_sigterm_drains_the_api_replica(
         if finishes_in_grace:
             assert rest[-1]["choices"][0]["finish_reason"] == "length"
         else:
-            assert rest[-1]["error"]["code"] == "server_shutdown"
-            assert sync_redis.exists(keys.abort(request_id))
+            error = rest[-1]["error"]
+            assert error["code"] == "replica_shutdown" and error["type"] == "server_error"
+            assert f"/v1/requests/{request_id}/stream" in error["message"]
+            assert not sync_redis.exists(keys.abort(request_id))  # its worker goes on
+            assert sync_redis.hget(keys.state(request_id), RequestField.DETACHED)  # resumable
+            waiting.join(10)
+            [reply] = replies
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+            assert reply.json()["error"]["code"] == "server_shutdown"
+            assert sync_redis.exists(keys.abort(json_request.id))
         assert stack.api_proc.wait(15) == 0
+        said = stack.output()
+        assert said.count("draining: replica") == 1 and said.count("drained: replica") == 1
     finally:
         stack.stop()
 

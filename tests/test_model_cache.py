@@ -6,6 +6,7 @@ must wait, then take the checkpoint that appeared rather than convert again."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -46,3 +47,24 @@ def test_a_second_process_waits_for_the_conversion_and_converts_nothing(
     assert Path(out.strip()) == target
     assert ".gguf into" not in log.read_text()  # the converting line: it never converted
     assert not list(target.parent.glob(".convert-*"))
+
+
+def test_a_conversion_in_a_container_logs_lines_not_a_progress_bar(tmp_path: Path) -> None:
+    """The first start in a container converts the default model with its output in a log, not
+    a terminal: a few JSON lines, no progress bar redrawn with carriage returns (transformers'
+    GGUF reader draws one of its own). Slow (a real conversion, about 25 CPU-s) because the
+    first start of every compose stack does exactly this."""
+    script = ("import sys; from pathlib import Path; "
+              "from shared.logs import setup_logging; from shared.settings import Settings; "
+              "from shared.models import resolve_model; "
+              "setup_logging(Settings(log_format='json'), loads_models=True); "
+              "print(resolve_model(sys.argv[1], Path(sys.argv[2])).path)")
+    done = subprocess.run([sys.executable, "-c", script, DEFAULT_MODEL, str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # JSON lines only
+    said = [r["msg"] for r in records]
+    assert any(m.startswith("converting ") for m in said), said
+    assert any(m.startswith("converted ") for m in said), said
+    assert (Path(done.stdout.strip()) / "model.safetensors").exists()

@@ -47,6 +47,9 @@ async def resume_stream(request_id: str, request: Request) -> Response:
     """Replay a streaming request's events after `Last-Event-ID`, from any replica, while its
     result stream lives. Only its tenant may."""
     ctx = app_context(request)
+    if ctx.live.draining:  # a load balancer sends it to another replica, as a new request
+        raise APIError(503, "this replica is draining; resume the stream on another",
+                       type="server_error", code="draining", headers={"Retry-After": "1"})
     record = await owned_state(ctx, request_id, request)
     raw_view = record.stream
     if raw_view is None:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from api.protocol.http import json_response
+from shared.messages import Error
 
 log = logging.getLogger("redserve.api")
 
@@ -47,6 +48,20 @@ def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# A replica that stops past its drain grace ends what it still serves with one of these.
+SHUTDOWN_ERROR = Error("the server is shutting down", "server_error", "server_shutdown")
+MOVED_CODE = "replica_shutdown"
+
+
+def moved(request_id: str) -> Error:
+    """The end of a stream whose replica stops while its request goes on (the worker is not
+    told): the client resumes it on any replica, from the last event it received."""
+    return Error(f"this replica is shutting down and request {request_id} goes on: resume its "
+                 f"stream on any replica with GET /v1/requests/{request_id}/stream and the "
+                 "Last-Event-ID header (the id of the last event received)", "server_error",
+                 MOVED_CODE)
 
 
 # Codes for the errors Starlette raises itself (unknown path, wrong method, unreadable body).

@@ -33,6 +33,10 @@ class LiveRequest(Protocol):
 
     def fail(self, error: Error) -> None: ...
 
+    def stop_here(self) -> None:
+        """This replica stops: end the client's reply, leaving the request running where it
+        can be resumed elsewhere."""
+
 
 @dataclass
 class Live:
@@ -66,6 +70,11 @@ class Live:
 
     def all(self) -> list[LiveRequest]:
         return [*self.requests.values(), *self.resumes]
+
+    def stop_all(self) -> None:
+        """This replica stops: each request still open here ends its part here."""
+        for request in self.all():
+            request.stop_here()
 
     def _check_idle(self) -> None:
         if not self.requests and not self.resumes:

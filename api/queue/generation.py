@@ -20,7 +20,7 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
-from api.protocol.errors import APIError
+from api.protocol.errors import SHUTDOWN_ERROR, APIError, moved
 from api.queue.admission import Admitted
 from api.queue.context import AppContext
 from api.queue.limits.replies import headers as limit_headers
@@ -86,6 +86,7 @@ class Generation:
         self._phase = Phase.CREATED
         self._sub: Subscription | None = None  # from OPENED on
         self._aborting: asyncio.Task[None] | None = None
+        self._moved = False  # its replica stopped and its stream is to be resumed elsewhere
         self.reservation = reservation  # the reply's, under its tenant's rate limits
         self.charges = charges  # this choice's admission charges the reply's reservation
         # Tokens the worker generated, as far as this replica has seen; None until a token or
@@ -188,6 +189,16 @@ class Generation:
             return
         self._sub.fail(error)
         self._aborting = asyncio.create_task(self._abort(abort_cause(error.code)))
+
+    def stop_here(self) -> None:
+        """This replica stops. A resumable stream (one choice, chat or completions) ends with
+        the error that says where to resume it, and its worker goes on; any other reply cannot
+        be resumed, so it fails and its worker stops."""
+        if self.view is None or self.view.responses is not None:
+            self.fail(SHUTDOWN_ERROR)
+        elif self._sub is not None and not self._sub.ended:
+            self._moved = True
+            self._sub.fail(moved(self.request.id))
 
     def __aiter__(self) -> Generation:
         return self
@@ -321,8 +332,13 @@ class Generation:
 
     async def _stop_worker(self, outcome: str | None) -> None:
         """A worker may hold it: abort it now, or, for a stream whose client went away, once
-        its resume grace has passed unresumed."""
+        its resume grace has passed unresumed; never for a stream this replica stopped
+        serving (`stop_here`), which is resumed elsewhere."""
         ctx = self.ctx
+        if self._moved:  # it runs on, for a client that resumes it elsewhere
+            await self._mark_detached()
+            await self._settled(self.request.params.max_tokens)
+            return
         grace = ctx.settings.resume_grace_s
         if self._aborting is None and outcome is None and self.view is not None and grace:
             deferred = asyncio.create_task(self._abort_unless_resumed(grace))

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from api.protocol.errors import SHUTDOWN_ERROR, moved
 from api.protocol.reply_spec import Kind, ReplySpec
 from api.queue.context import AppContext
 from api.queue.metrics import abort_cause
@@ -133,8 +134,13 @@ class Replay:
         return self._id
 
     def fail(self, error: Error) -> None:
-        """End the stream here (the replica is shutting down): `error` comes next."""
+        """End the stream here: `error` comes next."""
         self._failed = error
+
+    def stop_here(self) -> None:
+        """The replica stops; the request goes on, and a chat or completions client resumes
+        again elsewhere (a Responses API stream ends with the shutdown error)."""
+        self.fail(moved(self._id) if self.view.responses is None else SHUTDOWN_ERROR)
 
     def __aiter__(self) -> Replay:
         return self

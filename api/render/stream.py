@@ -2,16 +2,20 @@
 numbered (from the renderer's `first_number`), so a client that lost the connection can resume
 after the last one it saw (`api.queue.replay`, `api.endpoints.responses.resume`): the events are a
 pure function of the entries, so a replay numbers them alike and leaves out those up to `after`.
+A stream whose replica stops while its request goes on ends with events that carry no number:
+the client's last event id stays that of the last event it really got, where its resume starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
+from api.protocol.errors import MOVED_CODE
 from api.render.renderer import Event, Renderer
 from api.render.walk import Calls, End, Text, close_all, walk
 
@@ -25,6 +29,13 @@ class Ping(ServerSentEvent):
 
     def encode(self) -> bytes:
         return b": ping\n"
+
+
+@dataclass(frozen=True)
+class Unnumbered:
+    """An event sent without an id (the SSE spec: the client's last event id stays as it was)."""
+
+    event: Event
 
 
 def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str],
@@ -43,9 +54,9 @@ def sse(renderer: Renderer, headers: dict[str, str], after: int, ping_s: float) 
                         BackgroundTask(close_all, renderer.choices), ping_s)
 
 
-async def events(renderer: Renderer) -> AsyncIterator[Event]:
-    """Every event of the reply, unnumbered: the opening, each walk event's, and the final
-    ones (or the failure's)."""
+async def events(renderer: Renderer) -> AsyncIterator[Event | Unnumbered]:
+    """Every event of the reply: the opening, each walk event's, and the final ones (or the
+    failure's)."""
     for event in renderer.opening():
         yield event
     async for step in walk(renderer.choices):
@@ -56,8 +67,9 @@ async def events(renderer: Renderer) -> AsyncIterator[Event]:
         elif isinstance(step, End):
             made = renderer.end(step.choice, step.finish_reason)
         else:
+            moved = step.error.code == MOVED_CODE
             for event in renderer.failed(step.error):
-                yield event
+                yield Unnumbered(event) if moved else event
             return
         for event in made:
             yield event
@@ -69,6 +81,10 @@ async def _numbered(renderer: Renderer, after: int) -> AsyncIterator[ServerSentE
     number = renderer.first_number - 1
     try:
         async for event in events(renderer):
+            if isinstance(event, Unnumbered):
+                sent = renderer.sse(event.event, number)
+                yield ServerSentEvent(data=sent.data, event=sent.event, sep="\n")
+                continue
             number += 1
             if number > after:
                 yield renderer.sse(event, number)

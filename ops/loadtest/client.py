@@ -5,10 +5,11 @@ network read that brings tokens is stamped once, so TTFT and the inter-token gap
 client receiving those bytes would measure, and the parsing costs one orjson call per event,
 which keeps a 2-vCPU client from becoming the bottleneck of the server it measures. Output
 tokens come from the server's own usage (`stream_options.include_usage`), else from
-tokenizing the streamed text. Every failure (HTTP status, error event, an event of a shape no
-OpenAI-compatible server sends, timeout, connection) becomes a failed record with a one-line
-reason; nothing but cancellation raises out of `send`, so one odd reply costs one request,
-not the run.
+tokenizing the streamed text. A stream whose redserve replica stops (`replica_shutdown`) is
+resumed on another, after the last event received, as a client should, and counted. Every
+failure (HTTP status, error event, an event of a shape no OpenAI-compatible server sends,
+timeout, connection) becomes a failed record with a one-line reason; nothing but cancellation
+raises out of `send`, so one odd reply costs one request, not the run.
 """
 
 from __future__ import annotations
@@ -90,10 +91,15 @@ class StreamError(Exception):
     """A reply that went wrong after the request was sent: its reason, in one line."""
 
 
+# A redserve replica that stops ends its streams with this error, their requests running on.
+MOVED_CODE = "replica_shutdown"
+
+
 @dataclass(frozen=True)
 class Event:
     text: str  # the generated text it carries (chat deltas, answer or reasoning; or completion)
     usage: dict[str, Any] | None  # the server's token counts, on the last event
+    moved: bool = False  # the replica stopped: resume the stream on another
 
 
 def parse_event(payload: bytes) -> Event:
@@ -102,6 +108,9 @@ def parse_event(payload: bytes) -> Event:
     if not isinstance(event, dict):
         raise StreamError(f"unexpected event {payload[:100]!r}")
     if "error" in event:
+        error = event["error"]
+        if isinstance(error, dict) and error.get("code") == MOVED_CODE:
+            return Event("", None, moved=True)
         raise StreamError(f"error event: {server_message(payload)}")
     usage = event.get("usage")
     choices = event.get("choices") or []
@@ -167,19 +176,38 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, ind
     stamps: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] | None = None
-    async with client.stream("POST", target.url, content=request_body(target, prompt)) as reply:
-        if reply.status_code != 200:
-            raise StreamError(error_text(reply.status_code, await reply.aread()))
-        async for now, events in read_events(reply):
-            fresh = False
-            for event in events:
-                if event.usage is not None:
-                    usage = event.usage
-                if event.text:
-                    fresh = True
-                    text.append(event.text)
-            if fresh:
-                stamps.append(now)
+    received = resumes = 0  # events so far (numbered from 1); resumes after a replica stopped
+    request_id: str | None = None
+    opened = client.stream("POST", target.url, content=request_body(target, prompt))
+    while True:
+        moved = False
+        async with opened as reply:
+            if reply.status_code != 200:
+                raise StreamError(error_text(reply.status_code, await reply.aread()))
+            request_id = request_id or reply.headers.get("x-request-id")
+            async for now, events in read_events(reply):
+                fresh = False
+                for event in events:
+                    if event.moved:
+                        moved = True
+                        break
+                    received += 1
+                    if event.usage is not None:
+                        usage = event.usage
+                    if event.text:
+                        fresh = True
+                        text.append(event.text)
+                if fresh:
+                    stamps.append(now)
+                if moved:
+                    break
+        if not moved:
+            break
+        if request_id is None:
+            raise StreamError("the replica stopped and its reply named no request to resume")
+        resumes += 1
+        opened = client.stream("GET", f"{target.base_url}/requests/{request_id}/stream",
+                               headers={"Last-Event-ID": str(received)})
     end = time.perf_counter()
     if not stamps:
         raise StreamError("the reply streamed no tokens")
@@ -187,7 +215,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, ind
     inputs = (usage or {}).get("prompt_tokens") or prompt.input_tokens
     return RequestRecord(index, start - run_start, True, None, int(inputs), int(output),
                          stamps[0] - start, end - start,
-                         tuple(b - a for a, b in itertools.pairwise(stamps)))
+                         tuple(b - a for a, b in itertools.pairwise(stamps)), resumes)
 
 
 async def discover_model(client: httpx.AsyncClient, base_url: str, model: str | None

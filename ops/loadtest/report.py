@@ -54,6 +54,7 @@ def print_run(console: Console, result: RunResult, config: BenchConfig) -> None:
         ("Output token throughput (tok/s)", f"{s.output_throughput:,.2f}"),
         ("Total token throughput (tok/s)", f"{s.total_token_throughput:,.2f}"),
         ("Peak concurrent requests", f"{s.peak_concurrency}"),
+        ("Streams resumed on another replica", f"{s.resumed}"),
     ):
         figures.add_row(name, value)
     if s.goodput is not None:

@@ -30,6 +30,7 @@ class RequestRecord:
     ttft_s: float | None
     e2el_s: float  # to its last byte, or to its failure
     itl_s: tuple[float, ...]
+    resumes: int = 0  # times its stream was resumed on another replica (one stopped)
 
     @property
     def tpot_s(self) -> float | None:
@@ -76,6 +77,7 @@ class Summary:
     output_throughput: float
     total_token_throughput: float
     peak_concurrency: int
+    resumed: int  # requests whose stream was resumed on another replica
     ttft: Distribution | None
     tpot: Distribution | None
     itl: Distribution | None
@@ -128,6 +130,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: tupl
         request_throughput=len(done) * per_s, output_throughput=outputs * per_s,
         total_token_throughput=(inputs + outputs) * per_s,
         peak_concurrency=peak_concurrency(records),
+        resumed=sum(r.resumes > 0 for r in done),
         ttft=Distribution.of_seconds([r.ttft_s for r in done if r.ttft_s is not None],
                                      percentiles),
         tpot=Distribution.of_seconds([t for r in done if (t := r.tpot_s) is not None],

@@ -296,6 +296,9 @@ class WorkerService:
         intake finishes its current read first, so every request this worker holds is
         either handed back here or finished (or ended) below."""
         self.presence.draining = True
+        log.info("draining: worker %s takes no new requests, hands back those it has not "
+                 "started and gives the %d running %.0f s to finish", self.name,
+                 len(self.scheduler.running), self.settings.drain_grace_s)
         await self.presence.beat()  # no longer counted as a live worker
         self.intake.stop()
         with contextlib.suppress(Exception):
@@ -321,7 +324,8 @@ class WorkerService:
     async def _shutdown(self) -> None:
         # Past the grace period: every request still here is handed back, to resume from its
         # published tokens on another worker (its tokens so far go out first, in this flush).
-        for seq in [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]:
+        left = [*self.scheduler.drop_running(), *self.scheduler.drop_waiting()]
+        for seq in left:
             if seq.request.id in self.publisher.entry_ids:
                 self.publisher.stage_hand_back(seq.request.id)
         try:
@@ -330,6 +334,8 @@ class WorkerService:
             log.warning("could not publish the last results (%d kept): %s",
                         self.publisher.backlog, e)
         await self.presence.leave()
+        log.info("stopped: worker %s handed back %d request(s) still running, for another "
+                 "worker to resume", self.name, len(left))
 
 
 async def _first(*events: asyncio.Event) -> None:
