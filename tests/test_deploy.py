@@ -65,7 +65,8 @@ def test_compose_runs_two_api_replicas_behind_nginx_and_workers() -> None:
     api_env = services["api"]["environment"]
     assert api_env["REDSERVE_NO_AUTH"] == "true"
     assert api_env["REDSERVE_API_KEYS"] == "${REDSERVE_API_KEYS:-}"
-    assert services["nginx"]["depends_on"]["api"]["condition"] == "service_healthy"
+    # nginx starts first and stops last (tests/test_container_files.py: the stop order).
+    assert services["api"]["depends_on"]["nginx"]["condition"] == "service_started"
     nginx_conf = (ROOT / "ops" / "nginx.conf").read_text()
     mount = services["nginx"]["volumes"][0]
     assert mount.startswith("./ops/nginx.conf:")
