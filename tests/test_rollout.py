@@ -152,7 +152,7 @@ async def _stream_all(stack: Stack, bodies: list[dict[str, object]], stop: Calla
 
         done = await asyncio.gather(
             stopper(), *(one(i) for i in range(len(bodies))),
-            *(send(balanced, target, Prompt(f"bench {i}", None, 3, 480), i, 0.0, tokenizer)
+            *(send(balanced, target, Prompt(f"bench {i}", None, 3, 300), i, 0.0, tokenizer)
               for i in range(BENCHED)))
     return list(zip(ids, reads, strict=True)), list(done[1 + len(bodies):])
 
@@ -188,10 +188,10 @@ def test_a_replica_stopped_mid_stream_hands_its_streams_to_another(
         "REDSERVE_DRAIN_GRACE_S": "1", "REDSERVE_DTYPE": "float32"}).start()
     keys = Keys(stack.prefix)
     bodies: list[dict[str, object]] = [
-        {**LONG, "prompt": [30 + i, 900 + 13 * i, 7, 2100 + i], "max_tokens": 480}
+        {**LONG, "prompt": [30 + i, 900 + 13 * i, 7, 2100 + i], "max_tokens": 300}
         for i in range(STREAMS)]
     chats = [{"model": MODEL, "messages": [{"role": "user", "content": f"story {i}"}],
-              "max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True,
+              "max_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True,
                                                                   "speculation": False}}
              for i in range(CHATS)]
     balanced = openai.OpenAI(base_url=f"{stack.url(0)}/v1", api_key="x", max_retries=0,
@@ -233,7 +233,7 @@ def test_a_replica_stopped_mid_stream_hands_its_streams_to_another(
         for t in threads:
             t.join(120)
         assert chat_texts == undisturbed_chats
-        assert [(r.ok, r.error, r.output_tokens) for r in benched] == [(True, None, 480)] * BENCHED
+        assert [(r.ok, r.error, r.output_tokens) for r in benched] == [(True, None, 300)] * BENCHED
         assert sum(r.resumes for r in benched) >= 1
         assert stack.replica_proc(0).wait(15) == 0
         assert not [rid for rid, _ in cut if sync_redis.exists(keys.abort(rid))]
