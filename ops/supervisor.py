@@ -7,7 +7,7 @@ is not stopping is started again with the same command line (the same worker `--
 worker takes back the requests still pending under it; the same API port), after a delay that
 doubles on each failure up to a cap, so a child that cannot start does not spin. The delay
 starts over once a child has stayed up a while. Stopping is `up`'s: SIGTERM to every child
-(they drain), a kill after a grace, and no restarts from then on. A rolling restart (SIGHUP to
+(they drain), a kill after a grace, and no restarts from then on. A rolling restart (SIGUSR2 to
 `up`) stops and starts each child in turn, the next one only once the last serves again
 (`ChildSpec.ready`), so the system never stops serving: a replica's streams are resumed on
 another, a worker's requests taken back by the worker it hands them to.

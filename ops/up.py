@@ -72,12 +72,13 @@ def run_up(args: argparse.Namespace) -> int:
     def on_signal(signum: int, _: object) -> None:
         stop["signal"] = signum
 
-    def on_hangup(signum: int, _: object) -> None:
+    def on_roll(signum: int, _: object) -> None:
         stop["roll"] = signum
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    # Not SIGHUP: a terminal that closes sends it, and must stop `up`, not restart it.
+    signal.signal(signal.SIGUSR2, on_roll)
     embedded: EmbeddedRedis | None = None
     env = {k: v for k, v in os.environ.items() if k.upper() not in _MODEL_ENV}
     env.update(auth_env)
@@ -99,7 +100,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         supervisor.start()
         while not stop["signal"]:
-            if stop["roll"]:  # SIGHUP: every replica and worker restarted, one at a time
+            if stop["roll"]:  # SIGUSR2: every replica and worker restarted, one at a time
                 stop["roll"] = 0
                 supervisor.roll(settings.drain_grace_s + 10, lambda: bool(stop["signal"]))
             supervisor.poll()

@@ -1,7 +1,7 @@
 """Rollouts lose no stream: a replica stopped mid-stream (its drain grace passed) ends each
 open stream with `replica_shutdown` and leaves its request running, and the client resumes it
 on another replica with the identical rest of the text; `redserve up`'s rolling restart
-(SIGHUP) restarts every worker and replica in turn under load, losing and cancelling nothing.
+(SIGUSR2) restarts every worker and replica in turn under load, losing and cancelling nothing.
 Read by hand, with the official `openai` client through docs/http-api.md's helper, and by
 `redserve bench`'s client, which counts its resumes."""
 
@@ -244,7 +244,7 @@ def test_a_replica_stopped_mid_stream_hands_its_streams_to_another(
 def test_a_rolling_restart_of_up_loses_and_cancels_nothing(
     redis_url: str, tiny_model: Path, sync_redis: redis.Redis
 ) -> None:
-    """SIGHUP to `redserve up --replicas 2` under 32 streams spread over both: its worker, then
+    """SIGUSR2 to `redserve up --replicas 2` under 32 streams spread over both: its worker, then
     each replica, restarts in turn, the next once the last serves again. A stream whose replica
     stops resumes on the other; every request ends with the text of an undisturbed run, and
     none is cancelled."""
@@ -275,7 +275,7 @@ def test_a_rolling_restart_of_up_loses_and_cancels_nothing(
 
         async def roll() -> None:
             await asyncio.gather(*(r.has_text.wait() for r in reads))
-            up.proc.send_signal(signal.SIGHUP)
+            up.proc.send_signal(signal.SIGUSR2)
 
         async with httpx.AsyncClient(timeout=120) as client:
             await asyncio.gather(roll(), *(one(i, client) for i in range(len(bodies))))
