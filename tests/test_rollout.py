@@ -51,10 +51,15 @@ def _docs_helper() -> Callable[..., Iterator[Any]]:
     return scope["stream_resuming"]  # type: ignore[no-any-return]
 
 
+# Before its response headers: the request never started on that replica.
+_NOT_TAKEN = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class _Balancer(httpx.BaseTransport, httpx.AsyncBaseTransport):
-    """What nginx does in front of the replicas (ops/nginx.conf): each request goes to the first
-    replica that takes it; one that refuses the connection, or answers 503 (draining), has not
-    started it."""
+    """What nginx does in front of the replicas (ops/nginx.conf, `proxy_next_upstream error
+    http_503 non_idempotent`): each request goes to the first replica that takes it; one that
+    refuses or drops the connection before its response headers (it is exiting), or answers
+    503 (draining), has not started it."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = [httpx.URL(url) for url in urls]
@@ -71,7 +76,7 @@ class _Balancer(httpx.BaseTransport, httpx.AsyncBaseTransport):
             last = self._to(request, i)
             try:
                 response = self.inner.handle_request(request)
-            except httpx.ConnectError:
+            except _NOT_TAKEN:
                 if last:
                     raise
                 continue
@@ -85,7 +90,7 @@ class _Balancer(httpx.BaseTransport, httpx.AsyncBaseTransport):
             last = self._to(request, i)
             try:
                 response = await self.inner_async.handle_async_request(request)
-            except httpx.ConnectError:
+            except _NOT_TAKEN:
                 if last:
                     raise
                 continue
