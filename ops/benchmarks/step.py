@@ -68,6 +68,7 @@ CONFIGS = {"vllm-cpu": ("vllm-cpu", False), "batch-invariant": ("vllm-cpu", True
            "torch": ("torch", False)}
 TARGETS = {1: 1.3, 32: 1.5}  # step / linear, at most
 LAST_LOGITS: list[torch.Tensor] = []  # the model's logits of the last profiled step
+COSTLIEST = 12  # operations named per batch, ours and vLLM's
 
 
 def _median_ms(fn: Callable[[], object], n: int) -> float:
@@ -104,9 +105,11 @@ def _linear_ms(engine: Engine, batch: int, steps: int) -> float:
     return _median_ms(run, steps)
 
 
-def _profile(engine: Engine, steps: int) -> tuple[dict[str, float], int]:
-    """Per-step milliseconds of the step's parts, and the tokens the middle timed step
-    attends in all (each step adds one to every request)."""
+def _profile(engine: Engine, steps: int
+             ) -> tuple[dict[str, float], int, list[tuple[str, float]]]:
+    """Per-step milliseconds of the step's parts, the tokens the middle timed step attends in
+    all (each step adds one to every request), and the costliest operations' profiled ms a
+    step."""
     runner: Any = engine.runner
     forward = runner.forward
     spent = {"forward": 0.0}
@@ -153,7 +156,9 @@ def _profile(engine: Engine, steps: int) -> tuple[dict[str, float], int]:
     shares["python, dispatch"] = fwd - sum(shares.values())
     shares["outside forward"] = step - fwd
     shares["step"] = step
-    return shares, kv_tokens
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    costliest = [(e.key, e.self_cpu_time_total / 1e3 / steps) for e in events[:COSTLIEST]]
+    return shares, kv_tokens, costliest
 
 
 def _op_fraction(prof: Any, steps: int, fwd_ms: float) -> float:
@@ -261,6 +266,7 @@ def main() -> None:
     machine: Machine | None = None
     costs: list[tuple[str, float, float, StepCost]] = []  # config, step, linear, cost
     default_parts: dict[int, dict[str, float]] = {}  # the default kernels' parts, per batch
+    costliest: dict[int, list[tuple[str, float]]] = {}  # the default kernels', per batch
     for config in args.configs:
         for batch in args.batches:
             with console.status(f"{config}, batch {batch}"):
@@ -272,14 +278,14 @@ def main() -> None:
                 dtype = engine.runner.kv_shape.dtype
                 dtype_used = str(dtype).removeprefix("torch.")
                 _fill(engine, batch, args.context)
-                parts, kv_tokens = _profile(engine, args.steps)
+                parts, kv_tokens, ops = _profile(engine, args.steps)
                 linear = _linear_ms(engine, batch, args.steps)
                 greedy, hot = _sampler_ms(LAST_LOGITS[0], args.steps)
                 costs.append((config, parts["step"], linear,
                               step_cost(engine.runner, batch, kv_tokens)))
                 shape = mlp_shape(engine.runner)
             if config == "vllm-cpu":
-                default_parts[batch] = parts
+                default_parts[batch], costliest[batch] = parts, ops
             ratio = parts["step"] / linear
             target = TARGETS.get(batch)
             verdict = "" if target is None else (
@@ -300,9 +306,11 @@ def main() -> None:
                                args.steps)
         console.print(_peer_table(default_parts, vllm, dtype_used))
         for batch, theirs in vllm["batches"].items():
-            costliest = ", ".join(f"{name} {ms:.2f}" for name, ms in theirs["costliest"])
-            console.print(f"vLLM's costliest operations at batch {batch} (ms a step): "
-                          f"{costliest}")
+            for whose, ops in (("vLLM's", theirs["costliest"]),
+                               ("our", costliest.get(int(batch), []))):
+                named = ", ".join(f"{name} {ms:.2f}" for name, ms in ops)
+                console.print(f"{whose} costliest operations at batch {batch} (ms a step, "
+                              f"profiled): {named}")
     if machine is not None:
         console.print(machine.describe())
         console.print(_roofline_table(costs, machine))
