@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI
 
@@ -29,6 +29,7 @@ from api.queue.placement import Placement
 from api.queue.reader import ResultReader
 from api.queue.worker_watch import WorkerWatch
 from shared.keys import Keys, new_replica_tag
+from shared.lora import parse_lora_specs, read_adapters
 from shared.messages import Error
 from shared.models import parse_specs, resolve_models
 from shared.redis_conn import RedisClients, connect
@@ -62,12 +63,13 @@ class Lifespan:
     async def start_up(self) -> AppContext:
         """The models loaded, the parts wired and watched, the result reader started."""
         models = await load_models(self.settings)
-        ctx = self.wire(models)
+        ctx = self.wire(models, await asyncio.to_thread(load_adapters, self.settings, models))
         watch(ctx)
         await ctx.reader.start(self.settings.request_ttl_s)
         return ctx
 
-    def wire(self, models: dict[str, ServedModel]) -> AppContext:
+    def wire(self, models: dict[str, ServedModel],
+             adapters: dict[str, ServedModel]) -> AppContext:
         """The replica's parts, on one new Redis connection; nothing started yet."""
         settings, metrics = self.settings, self.metrics
         replica = new_replica_tag()
@@ -84,7 +86,8 @@ class Lifespan:
                               starting_s=settings.queue_timeout_s)
         return AppContext(settings, keys, models, clients, reader,
                           queue_admission(clients, keys, settings), metrics, replica, self.policies,
-                          RateLimits(clients.commands, keys), placement, workers, live)
+                          RateLimits(clients.commands, keys), placement, workers, live,
+                          adapters)
 
 
 async def run_beside(ctx: AppContext) -> None:
@@ -101,6 +104,17 @@ async def load_models(settings: ApiSettings) -> dict[str, ServedModel]:
     infos = await asyncio.to_thread(resolve_models, specs, settings.cache_dir)
     return {info.name: ServedModel(info, await asyncio.to_thread(TextCodec, str(info.path)))
             for info in infos}
+
+
+def load_adapters(settings: ApiSettings,
+                  models: dict[str, ServedModel]) -> dict[str, ServedModel]:
+    """The declared LoRA adapters, each served over its base model with the base's tokenizer
+    (checked as a worker checks them: `shared/lora.py`)."""
+    adapters = read_adapters(parse_lora_specs(settings.lora),
+                             {name: m.info.path for name, m in models.items()},
+                             settings.max_lora_rank)
+    return {name: replace(models[base], lora=adapter)
+            for name, (base, adapter) in adapters.items()}
 
 
 def queue_admission(clients: RedisClients, keys: Keys, settings: ApiSettings) -> Admission:

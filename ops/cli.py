@@ -15,8 +15,11 @@ from ops.loadtest.bench_command import add_arguments as add_bench_arguments
 from ops.options import (
     LIMITS,
     LOGGING,
+    LORA,
     api_options,
     logging_options,
+    lora_options,
+    lora_specs,
     model_options,
     model_specs,
     positive,
@@ -24,7 +27,14 @@ from ops.options import (
     worker_options,
 )
 from shared.logs import setup_logging
-from shared.models import ModelNotFound, converts_default, parse_specs, resolve_model
+from shared.lora import LoraError, read_adapters
+from shared.models import (
+    ModelNotFound,
+    converts_default,
+    parse_specs,
+    resolve_model,
+    resolve_models,
+)
 from shared.settings import ApiSettings, Settings, WorkerSettings
 
 log = logging.getLogger("redserve.cli")
@@ -46,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     api_options(up, "127.0.0.1", "the default when no key is set and the host is a "
                  "loopback address; anywhere else keys are required unless this is given")
     model_options(up, several=True)
+    lora_options(up)
     worker_options(up)
     up.add_argument("--replicas", type=positive, default=1, help="API replicas, on consecutive "
                     "ports from --port (default 1)")
@@ -58,11 +69,13 @@ def parser() -> argparse.ArgumentParser:
     api_options(api, "0.0.0.0", "without it, a replica with no key configured refuses "
                  "to start")
     model_options(api, several=True)
+    lora_options(api)
     logging_options(api, access_log=True)
 
     worker = sub.add_parser("worker", help="run one worker against REDIS_URL",
                             description="Run one worker (model + batching) against REDIS_URL.")
     model_options(worker, several=False)
+    lora_options(worker)
     worker_options(worker)
     worker.add_argument("--name", dest="worker_name", help="consumer name in the group "
                         "(default host-pid) [env REDSERVE_WORKER_NAME]")
@@ -91,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.command == "api":
         api_settings = settings_from(ApiSettings, args, "host", "port", "model",
-                                     "served_model_name", "models_file", "api_keys_file",
-                                     "no_auth", *LIMITS, "placement", "access_log",
-                                     "log_request_text")
+                                     "served_model_name", "models_file", *LORA,
+                                     "api_keys_file", "no_auth", *LIMITS, "placement",
+                                     "access_log", "log_request_text")
         _tokenizing_only(api_settings)  # before anything loads transformers
     if args.command != "bench":  # a client of any server: it needs no setting of redserve's
         logging = (name for name in LOGGING if hasattr(args, name))
@@ -108,10 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "api":
         run_api(api_settings)
     elif args.command == "worker":
-        run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", "device",
-                                 "dtype", "kernels", "batch_invariant", "quantization",
-                                 "speculation", "speculative_tokens", "kv_cache_dtype",
-                                 "threads", "decode_threads", "max_running", "queue_policy",
+        run_worker(settings_from(WorkerSettings, args, "model", "served_model_name", *LORA,
+                                 "device", "dtype", "kernels", "batch_invariant",
+                                 "quantization", "speculation", "speculative_tokens",
+                                 "kv_cache_dtype", "threads", "decode_threads", "max_running",
+                                 "max_loras", "queue_policy",
                                  "kv_cache_memory", "page_size", "max_prefill_tokens",
                                  "worker_name", "metrics_port"))
     elif args.command == "inspect":
@@ -154,7 +168,15 @@ def _require_redis(settings: Settings) -> None:
 
 def run_api(settings: ApiSettings) -> None:
     _require_redis(settings)
-    model_specs(settings)  # a bad list is the command line's: say so before the slow imports
+    specs = model_specs(settings)  # a bad list is the command line's: say so before the slow
+    if settings.lora:  # imports, as a bad adapter is
+        try:
+            infos = resolve_models(specs, settings.cache_dir)
+            read_adapters(lora_specs(settings), {i.name: i.path for i in infos},
+                          settings.max_lora_rank)
+        except (ModelNotFound, LoraError) as e:
+            log.error("%s", e)
+            sys.exit(2)
     from api.auth.keys import AuthConfigError
     from api.server import run
     from shared.tenants import TenantsConfigError
@@ -179,6 +201,13 @@ def run_worker(settings: WorkerSettings) -> None:
     except ModelNotFound as e:
         log.error("%s", e)
         sys.exit(2)
+    from worker.engine.build import check_loras
+
+    try:
+        check_loras(info, settings)  # before the slow load; loaded with the model
+    except LoraError as e:
+        log.error("cannot serve the adapters: %s", e)
+        sys.exit(2)
     from worker.broker.service import serve
     from worker.engine.checkpoint import UnsupportedCheckpoint
     from worker.engine.kernels import KernelsUnavailable
@@ -186,7 +215,8 @@ def run_worker(settings: WorkerSettings) -> None:
 
     try:
         asyncio.run(serve(settings, info))
-    except (UnsupportedCheckpoint, KernelsUnavailable, QuantizationUnavailable) as e:
+    except (UnsupportedCheckpoint, KernelsUnavailable, QuantizationUnavailable,
+            LoraError) as e:
         log.error("cannot serve %s: %s", info.path, e)
         sys.exit(2)
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from ops.console import make_console
+from shared.lora import LoraError, LoraSpec, parse_lora_specs
 from shared.models import ModelNotFound, ModelSpec, parse_specs
 from shared.settings import DEFAULT_MODEL, Settings
 
@@ -30,8 +31,9 @@ def settings_from(kind: type[S], args: argparse.Namespace, *names: str) -> S:
     `names` on the command line over the environment; a bad value is one line naming it (its
     flag or its REDSERVE_ variable) and exit 2, not a traceback."""
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if isinstance(overrides.get("model"), list):  # --model, repeated
-        overrides["model"] = ",".join(overrides["model"])
+    for repeated in ("model", "lora"):  # --model and --lora, repeated
+        if isinstance(overrides.get(repeated), list):
+            overrides[repeated] = ",".join(overrides[repeated])
     try:
         return kind(**overrides)
     except ValidationError as e:
@@ -59,6 +61,20 @@ def model_options(p: argparse.ArgumentParser, several: bool) -> None:
     p.add_argument("--served-model-name", help="name clients use in \"model\" (default: the "
                    "model's name or directory name; NAME= does the same, and is the way with "
                    "several models) [env REDSERVE_SERVED_MODEL_NAME]")
+
+
+# The settings that `lora_options` sets, for `settings_from`.
+LORA = ("lora", "max_lora_rank")
+
+
+def lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", metavar="NAME=PATH", help="a LoRA adapter "
+                   "over the model, served as model NAME: PATH is a PEFT adapter directory "
+                   "(adapter_config.json, adapter_model.safetensors) targeting the attention "
+                   "and MLP projections; repeat it for several. Give the replicas and the "
+                   "workers the same set [env REDSERVE_LORA, comma-separated]")
+    p.add_argument("--max-lora-rank", type=positive, help="the highest adapter rank "
+                   "accepted (default 16) [env REDSERVE_MAX_LORA_RANK]")
 
 
 def api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: str) -> None:
@@ -125,6 +141,9 @@ def worker_options(p: argparse.ArgumentParser) -> None:
                    "tokens (default 0: chosen by measurement) [env REDSERVE_DECODE_THREADS]")
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
+    p.add_argument("--max-loras", type=positive, help="the most LoRA adapters a worker "
+                   "holds; every declared one is loaded at start (default 8) "
+                   "[env REDSERVE_MAX_LORAS]")
     p.add_argument("--queue-policy", choices=("fair", "fifo"), help="which queued request a "
                    "worker with room takes: fair (lowest priority, then the least-served "
                    "tenant; the default) or fifo (the oldest) [env REDSERVE_QUEUE_POLICY]")
@@ -172,6 +191,15 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r}: must be finite and above 0")
     return value
+
+
+def lora_specs(settings: Settings) -> list[LoraSpec]:
+    """The adapters declared, or an error logged and exit 2."""
+    try:
+        return parse_lora_specs(settings.lora)
+    except LoraError as e:
+        log.error("%s", e)
+    sys.exit(2)
 
 
 def model_specs(settings: Settings) -> list[ModelSpec]:

@@ -24,27 +24,29 @@ import time
 
 import httpx
 
-from ops.options import LIMITS, LOGGING, console, model_specs, settings_from
+from ops.options import LIMITS, LOGGING, LORA, console, lora_specs, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
+from shared.lora import LoraError, parse_lora_specs, read_adapters
 from shared.models import ModelInfo, ModelNotFound, resolve_models
 from shared.redis_address import public
 from shared.settings import ApiSettings, WorkerSettings
 
 # `up` names each model on its children's command lines; the same settings in its environment
 # would add to them.
-_MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_FILE")
+_MODEL_ENV = ("REDSERVE_MODEL", "REDSERVE_SERVED_MODEL_NAME", "REDSERVE_MODELS_FILE",
+              "REDSERVE_LORA", "REDSERVE_MAX_LORA_RANK")
 log = logging.getLogger("redserve.up")
 
 # The worker settings `up` takes as options and hands to each worker as the same flags.
 WORKER_FLAGS = ("device", "dtype", "kernels", "quantization", "kv_cache_dtype", "threads",
                 "decode_threads", "max_running", "queue_policy", "kv_cache_memory", "page_size",
-                "max_prefill_tokens", "speculation", "speculative_tokens")
+                "max_prefill_tokens", "speculation", "speculative_tokens", "max_loras")
 
 
 def run_up(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     settings = settings_from(ApiSettings, args, "port", "model", "served_model_name",
-                             "models_file", "api_keys_file", "no_auth", *LIMITS, "placement",
+                             "models_file", *LORA, "api_keys_file", "no_auth", *LIMITS, "placement",
                              "access_log", *LOGGING)
     # The workers' settings too, though `up` passes them on as flags: a bad one is said now,
     # in one line, not by every worker as the supervisor restarts it.
@@ -60,11 +62,16 @@ def run_up(args: argparse.Namespace) -> int:
           else contextlib.nullcontext()):
         try:
             infos = resolve_models(specs, settings.cache_dir)
-        except ModelNotFound as e:
+            adapters = read_adapters(lora_specs(settings), {i.name: i.path for i in infos},
+                                     settings.max_lora_rank)
+        except (ModelNotFound, LoraError) as e:
             log.error("%s", e)
             return 2
     for info in infos:
         log.info("model %s at %s", info.name, info.path)
+    for name, (base, adapter) in adapters.items():
+        log.info("LoRA adapter %s over %s at %s (rank %d)", name, base, adapter.path,
+                 adapter.rank)
     from ops.embedded_redis import EmbeddedRedis
 
     stop = {"signal": 0, "roll": 0}
@@ -142,6 +149,12 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
                     for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     if args.batch_invariant:
         worker_flags.append("--batch-invariant")
+    # Adapters on the command lines of both, as models are: the replicas list and route them,
+    # the workers load them.
+    loras = [f for spec in parse_lora_specs(settings.lora)
+             for f in ("--lora", f"{spec.name}={spec.path.resolve()}")]
+    if loras:
+        loras += ["--max-lora-rank", str(settings.max_lora_rank)]
     logs = ["--log-format", settings.log_format, "--log-level", settings.log_level]
     if settings.log_request_text:
         logs.append("--log-request-text")
@@ -153,7 +166,7 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
             name = f"{socket.gethostname()}-up{os.getpid()}-{m}-{i}"
             children.append(ChildSpec(f"worker {name} ({info.name})", (
                 *me, "worker", "--model", str(info.path), "--served-model-name", info.name,
-                "--name", name, *worker_flags, *logs),
+                "--name", name, *loras, *worker_flags, *logs),
                 functools.partial(_worker_live, urls, name)))
     every_model = [f for info in infos for f in ("--model", f"{info.name}={info.path}")]
     access = ["--access-log"] if settings.access_log else []
@@ -162,7 +175,8 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     placement = ["--placement", args.placement] if args.placement else []
     models = [info.name for info in infos]
     replicas = [ChildSpec(f"API replica :{url.rsplit(':', 1)[1]}", (
-        *me, "api", "--host", host, "--port", url.rsplit(":", 1)[1], *every_model, *limits,
+        *me, "api", "--host", host, "--port", url.rsplit(":", 1)[1], *every_model, *loras,
+        *limits,
         *placement, *logs, *access), functools.partial(_replica_ready, url, models))
         for url in urls]
     return children + replicas

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.lora import DEFAULT_MAX_LORA_RANK
 from shared.redis_address import is_sentinel_url, parse_sentinel_url
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -43,6 +44,11 @@ class Settings(BaseSettings):
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     models_file: Path | None = None
+    # LoRA adapters over the model (shared/lora.py): `NAME=PATH`, comma-separated, each PATH a
+    # PEFT adapter directory; a request names one in "model". Declared at start, the same set
+    # for the replicas and the workers; every adapter's rank at most `max_lora_rank`.
+    lora: str = ""
+    max_lora_rank: int = Field(default=DEFAULT_MAX_LORA_RANK, ge=1)
     cache_dir: Path = Path.home() / ".cache" / "redserve"
 
     # Logging (see shared/logs.py): `json` is one object a line on stderr for log collectors,
@@ -211,6 +217,10 @@ class WorkerSettings(Settings):
     threads: int = Field(default=0, ge=0)
     decode_threads: int = Field(default=0, ge=0)
     max_running: int = Field(default=32, ge=1)
+    # The most LoRA adapters a worker holds: every declared adapter is loaded at start and stays
+    # resident (a worker refuses to start with more), each costing rank x (in + out) weights
+    # per projection it targets.
+    max_loras: int = Field(default=8, ge=1)
     # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
     # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on
     # CPU, 8192 on CUDA).

@@ -53,9 +53,10 @@ def state_unavailable(e: Exception) -> APIError:
 
 
 def served(ctx: AppContext, name: str) -> ServedModel:
-    model = ctx.models.get(name)
+    """The model or LoRA adapter a body names, or 404 `model_not_found`."""
+    model = ctx.served(name)
     if model is None:
-        served = ", ".join(f"'{n}'" for n in ctx.models)
+        served = ", ".join(f"'{n}'" for n in (*ctx.models, *ctx.adapters))
         raise APIError(404, f"The model '{name[:200]}' does not exist; this server serves "
                        f"{served}.", param="model", code="model_not_found")
     return model

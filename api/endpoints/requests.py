@@ -60,7 +60,7 @@ async def resume_stream(request_id: str, request: Request) -> Response:
         raise APIError(400, f"request {request_id!r} is a Responses API stream: resume it "
                        f"with GET /v1/responses/resp_{request_id}?stream=true",
                        param="request_id", code="not_resumable")
-    model = ctx.models.get(view.spec.model)
+    model = ctx.served(view.spec.model)
     if model is None:
         raise APIError(404, f"request {request_id!r} is for model {view.spec.model!r}, which "
                        "this replica does not serve; resume it on one that does",

@@ -125,14 +125,15 @@ def _trace_id(header: str) -> str:
 def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, tenant: str,
               trace_id: str, trace: ReplyTrace | None) -> list[GenerateRequest]:
     """One queued request per choice, `n` per prompt: `<id>`, then `<id>-1` ..."""
-    body, model = prepared.body, prepared.model.name
+    body, model = prepared.body, prepared.model
     placed = _place(ctx, prepared, tenant, trace)
     requests = []
     for index in range(len(prepared.prompts) * body.n):
         prompt_ids = prepared.prompts[index // body.n]
         requests.append(GenerateRequest(
             id=base_id if index == 0 else f"{base_id}-{index}",
-            model=model,
+            model=model.base,
+            lora=model.lora_name,
             prompt_ids=tuple(prompt_ids),
             params=body.to_sampling_params(prepared.max_tokens[index // body.n], index),
             created=now,
@@ -152,12 +153,12 @@ def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, ten
 def _place(ctx: AppContext, prepared: Prepared, tenant: str,
            trace: ReplyTrace | None) -> list[str]:
     """Each choice's worker (`api.queue.placement`), in a span when traced."""
-    model, n = prepared.model.name, prepared.body.n
+    model, n = prepared.model, prepared.body.n
     prompts = [prepared.prompts[i // n] for i in range(len(prepared.prompts) * n)]
     if trace is None:
-        return [ctx.placement.place(model, tenant, p) for p in prompts]
+        return [ctx.placement.place(model.base, tenant, p, model.lora_name) for p in prompts]
     with trace.placement() as span:
-        placed = [ctx.placement.place(model, tenant, p) for p in prompts]
+        placed = [ctx.placement.place(model.base, tenant, p, model.lora_name) for p in prompts]
         span.set_attribute("redserve.worker", placed)
         return placed
 

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.protocol.errors import APIError
 from api.protocol.http import json_response
+from api.protocol.served_model import ServedModel
 from api.queue.context import AppContext
 from api.queue.metrics import QueueDepths
 from shared.messages import Heartbeat
@@ -122,7 +123,7 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The models of this replica that a live worker serves now."""
+    """The models of this replica that a live worker serves now, and their LoRA adapters."""
     ctx = _ctx(request)
     try:
         found = await live_workers(ctx)
@@ -131,16 +132,23 @@ async def models(request: Request) -> dict[str, Any]:
         raise APIError(503, "the list of live models is unavailable; retry shortly",
                        type="server_error", code="redis_unavailable",
                        headers={"Retry-After": "1"}) from e
-    return {
-        "object": "list",
-        "data": [{
-            "id": name,
-            "object": "model",
-            "created": int(model.info.path.stat().st_mtime),
-            "owned_by": "redserve",
-            "max_model_len": model.info.max_model_len,
-        } for name, model in ctx.models.items() if found[name]],
+    served = [*ctx.models.values(), *ctx.adapters.values()]
+    return {"object": "list", "data": [_card(m) for m in served if found[m.base]]}
+
+
+def _card(model: ServedModel) -> dict[str, Any]:
+    """A model's entry; a LoRA adapter's names its base (`parent`) and its directory
+    (`root`), as vLLM's does."""
+    card: dict[str, Any] = {
+        "id": model.name,
+        "object": "model",
+        "created": int((model.lora.path if model.lora else model.info.path).stat().st_mtime),
+        "owned_by": "redserve",
+        "max_model_len": model.info.max_model_len,
     }
+    if model.lora is not None:
+        card |= {"parent": model.base, "root": str(model.lora.path)}
+    return card
 
 
 @router.get("/metrics")

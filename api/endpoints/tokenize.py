@@ -88,7 +88,7 @@ def _served(ctx: AppContext, name: str | None) -> ServedModel:
             return next(iter(ctx.models.values()))
         raise APIError(400, f"model is required: this server serves {served}.", param="model",
                        code="invalid_value")
-    model = ctx.models.get(name)
+    model = ctx.served(name)
     if model is None:
         raise APIError(404, f"The model '{name}' does not exist; this server serves "
                        f"{served}.", param="model", code="model_not_found")

@@ -8,19 +8,33 @@ from dataclasses import dataclass
 
 from api.protocol.errors import APIError
 from api.protocol.text import TextCodec
+from shared.lora import LoraAdapter
 from shared.models import ModelInfo
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model this replica serves: its checkpoint facts and its tokenizer."""
+    """A model this replica serves: its checkpoint facts and its tokenizer, and for a LoRA
+    adapter (`shared/lora.py`) the adapter, served over that model (its base)."""
 
     info: ModelInfo
     codec: TextCodec
+    lora: LoraAdapter | None = None
 
     @property
     def name(self) -> str:
+        """What clients put in "model": the model's name, or the adapter's."""
+        return self.lora.name if self.lora is not None else self.info.name
+
+    @property
+    def base(self) -> str:
+        """The model whose queue and workers serve it (its keys are under this name)."""
         return self.info.name
+
+    @property
+    def lora_name(self) -> str:
+        """The adapter a request for it carries ("" for the base)."""
+        return self.lora.name if self.lora is not None else ""
 
     @property
     def vocab_size(self) -> int:

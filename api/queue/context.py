@@ -100,3 +100,9 @@ class AppContext:
     placement: Placement  # which worker a new request goes to
     workers: WorkerWatch  # whether each model has a live worker, and since when not
     live: Live = field(default_factory=Live)
+    # LoRA adapters, by the name clients use, each served over one of `models` (its base).
+    adapters: dict[str, ServedModel] = field(default_factory=dict)
+
+    def served(self, name: str) -> ServedModel | None:
+        """The model or adapter clients call `name`."""
+        return self.models.get(name) or self.adapters.get(name)

@@ -119,14 +119,15 @@ class Placement:
         self.views = views
         self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
 
-    def place(self, model: str, tenant: str, prompt: Sequence[int]) -> str:
-        """The worker to run this prompt on, or "" for any."""
+    def place(self, model: str, tenant: str, prompt: Sequence[int], lora: str = "") -> str:
+        """The worker to run this prompt (under LoRA adapter `lora`, "" for none) on, or ""
+        for any."""
         views = self.views.get(model)
         if self.mode == "none" or not views:
             return ""
         if self.mode == "random":
             return self._placed(random.choice(views))
-        best, matched, digests = self._longest_prefix(model, views, tenant, prompt)
+        best, matched, digests = self._longest_prefix(model, views, tenant, prompt, lora)
         if best is not None and matched and best.has_room:
             self.metrics.placements.labels(model, "hit").inc()
             return self._placed(best)
@@ -139,7 +140,8 @@ class Placement:
         return self._placed(least)
 
     def _longest_prefix(self, model: str, views: list[WorkerView], tenant: str,
-                        prompt: Sequence[int]) -> tuple[WorkerView | None, int, list[bytes]]:
+                        prompt: Sequence[int],
+                        lora: str) -> tuple[WorkerView | None, int, list[bytes]]:
         """The worker holding the most leading pages of `prompt` (the least loaded of equals),
         how many, and the prompt's page digests."""
         by_page_size: dict[int, list[bytes]] = {}
@@ -151,7 +153,8 @@ class Placement:
                 continue
             digests = by_page_size.get(page_size)
             if digests is None:
-                digests = by_page_size[page_size] = prompt_digests(prompt, page_size, tenant)
+                digests = prompt_digests(prompt, page_size, tenant, lora)
+                by_page_size[page_size] = digests
             held = view.summary.digests if view.summary else frozenset()
             n = 0
             for digest in digests:

@@ -61,6 +61,9 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     weight: float = Field(default=1.0, gt=0)
     worker: str = ""
+    # The LoRA adapter the request named in "model" (shared/lora.py), applied over `model`, its
+    # base; absent from the entry's JSON when none, so a base request's entry is unchanged.
+    lora: str = Field(default="", exclude_if=lambda v: not v, max_length=128)
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "body": self.model_dump_json()}

@@ -11,6 +11,7 @@ import logging
 import orjson
 import torch
 
+from shared.lora import BaseShapes, LoraAdapter, LoraError, parse_lora_specs, read_adapters
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
 from worker.engine import checkpoint, onednn
@@ -20,6 +21,8 @@ from worker.engine.dtype import dtype_name, pick_dtype
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool, budget_bytes
 from worker.engine.linear import check_quantization
+from worker.engine.lora.adapter import load_adapter
+from worker.engine.lora.apply import Loras
 from worker.engine.model_runner import ModelRunner
 from worker.engine.speculation.speculator import NO_SPECULATION, SpeculationConfig
 from worker.engine.synthetic import SyntheticRunner
@@ -53,6 +56,7 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
                          kv_cache_dtype=settings.kv_cache_dtype)
     log.info("kernels: %s (%s)%s", runner.kernels.name, runner.kernels.note,
              "; batch-invariant" if runner.kernels.batch_invariant else "")
+    loras = attach_loras(runner, info, settings)
     if settings.quantization == "int8":
         linears = runner.linears()
         log.info("int8 weights (--quantization int8): %d of %d linear layers (the vocabulary "
@@ -73,9 +77,40 @@ def build_engine(info: ModelInfo, settings: WorkerSettings) -> Engine:
         prefix_caching=settings.prefix_caching,
         threads=threads if device.type == "cpu" else None,
         speculation=speculation_config(settings),
+        loras=loras,
     )
     return Engine(runner, pool, config, eos_token_ids=info.eos_token_ids,
                   constraints=build_constraints(info))
+
+
+def check_loras(info: ModelInfo, settings: WorkerSettings) -> list[LoraAdapter]:
+    """The declared adapters, checked against the model (without torch: `shared/lora.py`)
+    and against what this worker computes; LoraError names the problem."""
+    specs = parse_lora_specs(settings.lora)
+    if not specs:
+        return []
+    if len(specs) > settings.max_loras:
+        raise LoraError(f"{len(specs)} adapters are declared and --max-loras is "
+                        f"{settings.max_loras}: a worker holds every declared adapter")
+    if settings.batch_invariant:
+        raise LoraError("--batch-invariant is not offered with --lora: an adapter's update "
+                        "is computed per step's group of rows, whose rounding was not measured")
+    adapters = read_adapters(specs, {info.name: info.path}, settings.max_lora_rank)
+    return [adapter for _, adapter in adapters.values()]
+
+
+def attach_loras(runner: ModelRunner, info: ModelInfo,
+                 settings: WorkerSettings) -> frozenset[str]:
+    """The declared adapters loaded onto `runner`; their names."""
+    adapters = check_loras(info, settings)
+    if not adapters:
+        return frozenset()
+    shapes = BaseShapes.read(info.path)
+    runner.loras = Loras({a.name: load_adapter(a, shapes, runner.layers, runner.kv_shape.dtype,
+                                               runner.device) for a in adapters})
+    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {len(a.modules)} "
+                                            f"projections)" for a in adapters))
+    return frozenset(a.name for a in adapters)
 
 
 def speculation_config(settings: WorkerSettings) -> SpeculationConfig:

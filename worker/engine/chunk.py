@@ -18,6 +18,7 @@ class Chunk:
     # its last sampled token and its draft tokens, each of whose predictions is checked
     # (worker/engine/speculation/).
     logits: int = 1
+    lora: str = ""  # the adapter its request names (worker/engine/lora/); "" for the base
 
     @property
     def rows(self) -> int:

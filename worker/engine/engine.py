@@ -93,6 +93,7 @@ class EngineConfig:
     prefix_caching: bool = True
     threads: ThreadPolicy | None = None  # CPU threads per step (None: leave torch's setting)
     speculation: SpeculationConfig = NO_SPECULATION
+    loras: frozenset[str] = frozenset()  # the LoRA adapters its runner holds, by name
 
 
 class Engine:
@@ -122,6 +123,9 @@ class Engine:
         they complete its grammar already: only its finish entry was lost."""
         params = request.params
         num_prompt = len(request.prompt_ids)
+        if request.lora and request.lora not in self.config.loras:
+            raise AdmissionError(f"this worker holds no LoRA adapter {request.lora!r}",
+                                 "model_not_found")
         if num_prompt >= self.config.max_model_len:
             raise AdmissionError(
                 f"prompt has {num_prompt} tokens; the model's context is "

@@ -45,6 +45,7 @@ from worker.engine.kernels import (
 from worker.engine.kv_cache import KVCacheDtype, KVPool, KVShape
 from worker.engine.layer_ops import FusedLayerOps, LayerOps, TorchLayerOps, rms_norm
 from worker.engine.linear import Linear, Quantization
+from worker.engine.lora.apply import Loras, LoraStep
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class ModelRunner:
         self.ops: LayerOps = ops(cos, sin, self.eps)
         self.pool: KVPool | None = None
         self.attention: Attention | None = None
+        self.loras: Loras | None = None  # resident LoRA adapters (worker/engine/lora/)
+        self._lora_step: LoraStep | None = None  # this step's, when a chunk names one
 
     @property
     def device(self) -> torch.device:
@@ -164,6 +167,7 @@ class ModelRunner:
                 slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
             logit_rows.extend(range(len(ids) - chunk.rows, len(ids)))
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+        self._lora_step = self.loras.step(chunks, device) if self.loras is not None else None
         self.ops.prepare(torch.tensor(positions, dtype=torch.long, device=device))
         self.attention.prepare(chunks, torch.tensor(slots, dtype=torch.long, device=device))
 
@@ -196,9 +200,10 @@ class ModelRunner:
         return self._linear(layer.o, self.attention(i, q, k, v).view(t, nh * hd))
 
     def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels.batch_invariant:
-            return batch_invariant_rows(linear, x)
-        return linear(x)
+        y = batch_invariant_rows(linear, x) if self.kernels.batch_invariant else linear(x)
+        if self._lora_step is not None:
+            self._lora_step.add(linear, x, y)
+        return y
 
 
 def _fuse(checkpoint: Checkpoint, prefix: str, quantization: Quantization, native: bool,

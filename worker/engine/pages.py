@@ -7,6 +7,8 @@ offline: it does not know the secret), so no request can reuse, or poison, KV co
 another's different prefix; the page's own tokens are still compared on a match. Each chain
 starts from its tenant's root key, so tenants never share pages: otherwise a tenant could learn
 whether another's prompt starts with a guess from how many of its tokens came from the cache.
+A request under a LoRA adapter starts from a root of its tenant and adapter: the same tokens
+have other K and V under another adapter, so adapters never share pages either.
 Once computed, a full page is published under its key, so a later request whose prompt starts
 with the same tokens takes the page instead of recomputing it. Published pages nobody
 references stay cached until the free list runs dry; then the least recently released one is
@@ -30,7 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from shared.messages import PrefixSummary
-from shared.page_digest import PAGE_DIGEST_SIZE, next_digest, tenant_root
+from shared.page_digest import PAGE_DIGEST_SIZE, next_digest, root_name, tenant_root
 
 _SECRET_SIZE = 16
 
@@ -68,10 +70,12 @@ class PageManager:
         """Full pages the prefix cache can serve (referenced or not)."""
         return len(self._key_of)
 
-    def root(self, tenant: str) -> bytes:
-        """Where the chains of `tenant`'s requests start (secret part, then public)."""
-        return hashlib.blake2b(tenant.encode(), digest_size=_SECRET_SIZE, key=self._secret,
-                               person=b"tenant").digest() + tenant_root(tenant)
+    def root(self, tenant: str, lora: str = "") -> bytes:
+        """Where the chains of `tenant`'s requests under LoRA adapter `lora` ("" for the base)
+        start (secret part, then public)."""
+        secret = hashlib.blake2b(root_name(tenant, lora), digest_size=_SECRET_SIZE,
+                                 key=self._secret, person=b"lora" if lora else b"tenant")
+        return secret.digest() + tenant_root(tenant, lora)
 
     def chain(self, key: bytes, chunk: tuple[int, ...]) -> bytes:
         """The key of a page holding `chunk` after the page whose key is `key`."""

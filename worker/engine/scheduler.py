@@ -187,9 +187,9 @@ class Scheduler:
         return admissions
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` behind every waiting request; its prefix-cache chain starts at its
-        tenant's root, so tenants never share pages."""
-        seq.cache_root = self.pages.root(seq.request.tenant)
+        """Queue `seq` behind every waiting request; its prefix-cache chain starts at the root
+        of its tenant and adapter, so neither two tenants nor two adapters share pages."""
+        seq.cache_root = self.pages.root(seq.request.tenant, seq.request.lora)
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -234,7 +234,7 @@ class Scheduler:
             seq, end = it.seq, it.seq.num_computed + it.num_tokens
             chunks.append(Chunk([*seq.tokens[seq.num_computed : end], *it.drafts],
                                 seq.num_computed, seq.pages, sample=end == len(seq.tokens),
-                                logits=1 + len(it.drafts)))
+                                logits=1 + len(it.drafts), lora=seq.request.lora))
         return SchedulerOutput(tuple(batch), tuple(chunks))
 
     def mark_computed(self, plan: SchedulerOutput) -> None:

@@ -26,8 +26,8 @@ class Sequence:
     capacity: int  # prompt + completion tokens this request may hold
     generator: torch.Generator | None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    cache_root: bytes = b""  # where its prefix-cache chain starts: its tenant's root, set
-    # when the scheduler queues it (roots are keyed by its page manager's secret)
+    cache_root: bytes = b""  # where its prefix-cache chain starts: its tenant's and adapter's
+    # root, set when the scheduler queues it (roots are keyed by its page manager's secret)
     pages: list[int] = field(default_factory=list)  # the page table
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     num_computed: int = 0  # tokens whose KV is in its pages

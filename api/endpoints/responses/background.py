@@ -108,7 +108,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
         records = cast(StreamEntries, await commands.xrange(ctx.keys.out(request_id)))
     except aioredis.RedisError as e:
         raise store.unavailable(e) from e
-    model = ctx.models.get(response["model"])
+    model = ctx.served(response["model"])
     if raw_view is None or model is None:  # expired, or not this replica's model
         return response
     view = StreamView.from_json(cast(bytes, raw_view))

@@ -53,7 +53,7 @@ async def resume(ctx: AppContext, request: Request, response_id: str, after: int
         raise APIError(400, f"response {response_id!r} was not streamed, so it cannot be "
                        "resumed", param="stream", code="not_resumable")
     spec = view.spec
-    model = ctx.models.get(spec.model)
+    model = ctx.served(spec.model)
     if model is None:
         raise APIError(404, f"response {response_id!r} is for model {spec.model!r}, which "
                        "this replica does not serve; resume it on one that does",
