@@ -186,7 +186,9 @@ def _check_config(where: str, config: dict[str, Any], max_rank: int) -> tuple[in
                                           ("lora_bias", False), ("bias", "none"))
                    if config.get(name, off) not in (off, None)]
     unsupported += [name for name in ("modules_to_save", "rank_pattern", "alpha_pattern",
-                                      "layer_replication", "trainable_token_indices")
+                                      "layer_replication", "trainable_token_indices",
+                                      "target_parameters", "alora_invocation_tokens",
+                                      "use_qalora", "use_bdlora")
                     if config.get(name)]
     if unsupported:
         raise LoraError(f"{where}: unsupported adapter option(s) {', '.join(unsupported)}")
