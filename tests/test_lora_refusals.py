@@ -49,9 +49,9 @@ def test_a_good_adapter_reads(base: tuple[PreTrainedModel, Path], tmp_path: Path
 def test_a_missing_file_is_named(base: tuple[PreTrainedModel, Path], tmp_path: Path) -> None:
     adapter = make_adapter(base[0], tmp_path / "a", ["q_proj"])
     (adapter / "adapter_model.safetensors").unlink()
-    with pytest.raises(LoraError, match="missing file adapter_model.safetensors"):
+    with pytest.raises(LoraError, match=r"missing file adapter_model\.safetensors"):
         _read(base[1], adapter)
-    with pytest.raises(LoraError, match="missing file adapter_config.json"):
+    with pytest.raises(LoraError, match=r"missing file adapter_config\.json"):
         _read(base[1], tmp_path / "nowhere")
 
 
