@@ -61,7 +61,8 @@ class Lifespan:
             await shut_down(ctx)
 
     async def start_up(self) -> AppContext:
-        """The models loaded, the parts wired and watched, the result reader started."""
+        """The models and their LoRA adapters loaded, the parts wired and watched, the result
+        reader started."""
         models = await load_models(self.settings)
         ctx = self.wire(models, await asyncio.to_thread(load_adapters, self.settings, models))
         watch(ctx)

@@ -133,6 +133,17 @@ def read_adapters(specs: list[LoraSpec], bases: dict[str, Path],
     return {s.name: (base_name, read_adapter(s, shapes, max_rank)) for s in specs}
 
 
+def check_resident(count: int, max_loras: int, batch_invariant: bool) -> None:
+    """What a worker refuses of a set of `count` adapters, all loaded at start: more than
+    `--max-loras`, or any in batch-invariant mode."""
+    if count > max_loras:
+        raise LoraError(f"{count} adapters are declared and --max-loras is {max_loras}: a "
+                        "worker holds every declared adapter")
+    if count and batch_invariant:
+        raise LoraError("--batch-invariant is not offered with --lora: an adapter's update is "
+                        "computed per step's group of rows, whose rounding was not measured")
+
+
 def read_adapter(spec: LoraSpec, base: BaseShapes, max_rank: int) -> LoraAdapter:
     """The adapter at `spec.path`, checked against `base`; LoraError names what is wrong."""
     where = f"adapter {spec.name!r} ({spec.path})"

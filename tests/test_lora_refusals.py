@@ -5,7 +5,6 @@ that line before serving anything."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +108,19 @@ def test_the_commands_exit_2_naming_the_bad_adapter(
     env = child_env(redis_url, "rstest-lora-refusals")
     done = subprocess.run([sys.executable, "-m", "ops.cli", command, "--model", str(base[1]),
                            "--lora", f"wide={adapter}"], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=os.getcwd())
+                          text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert f"adapter 'wide' ({adapter}): rank 32 is over --max-lora-rank 16" in done.stderr
+
+
+def test_up_refuses_more_adapters_than_a_worker_holds_before_starting_anything(
+        base: tuple[PreTrainedModel, Path], tmp_path: Path) -> None:
+    adapter = make_adapter(base[0], tmp_path / "a", ["q_proj"])
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--model", str(base[1]),
+                           "--lora", f"a={adapter}", "--lora", f"b={adapter}", "--max-loras",
+                           "1"], env=child_env(None, "rs"), capture_output=True, text=True,
+                          timeout=120)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, said
+    assert "2 adapters are declared and --max-loras is 1" in said
+    assert "embedded" not in said and "ready" not in said, said

@@ -81,8 +81,9 @@ def _pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
 
 
 def _served(ctx: AppContext, name: str | None) -> ServedModel:
-    """The model named, or with no name (vLLM's default model) the replica's only one."""
-    served = ", ".join(f"'{n}'" for n in ctx.models)
+    """The model (or LoRA adapter) named, or with no name (vLLM's default model) the replica's
+    only one."""
+    served = ", ".join(f"'{n}'" for n in (*ctx.models, *ctx.adapters))
     if not name:
         if len(ctx.models) == 1:
             return next(iter(ctx.models.values()))

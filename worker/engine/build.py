@@ -11,7 +11,13 @@ import logging
 import orjson
 import torch
 
-from shared.lora import BaseShapes, LoraAdapter, LoraError, parse_lora_specs, read_adapters
+from shared.lora import (
+    BaseShapes,
+    LoraAdapter,
+    check_resident,
+    parse_lora_specs,
+    read_adapters,
+)
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
 from worker.engine import checkpoint, onednn
@@ -87,14 +93,7 @@ def check_loras(info: ModelInfo, settings: WorkerSettings) -> list[LoraAdapter]:
     """The declared adapters, checked against the model (without torch: `shared/lora.py`)
     and against what this worker computes; LoraError names the problem."""
     specs = parse_lora_specs(settings.lora)
-    if not specs:
-        return []
-    if len(specs) > settings.max_loras:
-        raise LoraError(f"{len(specs)} adapters are declared and --max-loras is "
-                        f"{settings.max_loras}: a worker holds every declared adapter")
-    if settings.batch_invariant:
-        raise LoraError("--batch-invariant is not offered with --lora: an adapter's update "
-                        "is computed per step's group of rows, whose rounding was not measured")
+    check_resident(len(specs), settings.max_loras, settings.batch_invariant)
     adapters = read_adapters(specs, {info.name: info.path}, settings.max_lora_rank)
     return [adapter for _, adapter in adapters.values()]
 
