@@ -1,10 +1,10 @@
 """LoRA adapters through the real system: a replica and a worker started with the same
 `REDSERVE_LORA`, the official `openai` client naming an adapter in `model`.
 
-Each adapter's completion is the text of peft's merged model (fp32), chat streamed and not
-gives one text per adapter, requests for two adapters and the base sent together each get
-their own text, `/v1/models` lists the adapters with their base as `parent`, and an unknown
-name is still a 404 `model_not_found`.
+Each adapter's completion is the text of peft's merged model (fp32), chat and the Responses
+API, streamed and not, give one text per adapter, requests for two adapters and the base sent
+together each get their own text, `/v1/models` lists the adapters with their base as
+`parent`, and an unknown name is still a 404 `model_not_found`.
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ def test_chat_streamed_or_not_and_mixed_with_the_base(client: openai.OpenAI,
     stream = client.chat.completions.create(model="beta", messages=messages,  # type: ignore[arg-type]
                                             max_tokens=NEW, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == alone["beta"]
+    # The Responses API, streamed and not: the same conversation, the same text.
+    response = client.responses.create(model="beta", input="Name a colour.",
+                                       max_output_tokens=NEW, temperature=0)
+    assert (response.model, response.output_text) == ("beta", alone["beta"])
+    events = client.responses.create(model="alpha", input="Name a colour.",
+                                     max_output_tokens=NEW, temperature=0, stream=True)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        alone["alpha"]
 
     async def together() -> list[str]:
         aclient = openai.AsyncOpenAI(base_url=f"{lora_stack.base_url}/v1", api_key="x",
