@@ -92,6 +92,8 @@ def test_a_worker_holds_at_most_max_loras_and_refuses_names_twice(
     assert len(check_loras(info, WorkerSettings(lora=three, max_loras=3))) == 3
     with pytest.raises(LoraError, match="3 adapters are declared and --max-loras is 2"):
         check_loras(info, WorkerSettings(lora=three, max_loras=2))
+    with pytest.raises(LoraError, match="--batch-invariant is not offered with --lora"):
+        check_loras(info, WorkerSettings(lora=three, batch_invariant=True))
     with pytest.raises(LoraError, match="given twice: a"):
         parse_lora_specs(f"a={adapter},a={adapter}")
     with pytest.raises(LoraError, match="also model names"):
