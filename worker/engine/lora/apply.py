@@ -11,15 +11,19 @@ a [1 x 576] by [576 x 48] product (oneDNN's set-up each call), so one adapter's 
 multiplies halved one stream's decode speed, and a multiply pair per adapter and linear took a
 32-request step spread over 8 adapters from about 40 to 130 ms. So each adapter's A and B are
 laid out at start as `Linear`s (`worker/engine/linear.py`: the packed bf16 GEMM where the CPU
-has it, about 5 us a call; ranks padded with zeros to `ALIGN`, which that kernel needs), and:
+has it, about 5 us a call; a slot's ranks padded with zeros to `ALIGN`, the width that kernel
+takes), and:
 - a step whose adapter rows all belong to one adapter, or that has more than `DENSE_ROWS`
   rows (a prefill), runs each named adapter's pair on its rows (a slice where they are
   contiguous, an index otherwise);
-- a decode step naming several adapters runs four calls per linear whatever their number:
-  every resident adapter's A stacked in one layer, a mask that keeps each row's own adapter's
-  ranks (zeros for base rows), every B side by side in one layer, and one add. Measured on the
-  default model's shapes at 32 rows over 8 adapters: 68 us for q/k/v against 85 for batched
-  torch multiplies and about 150 for a pair per adapter; 37 against 106 for down.
+- a step of at most `DENSE_ROWS` rows naming several adapters runs four calls per linear
+  whatever their number: every resident adapter's A stacked in one layer (their ranks side by
+  side, padded once), a mask that keeps each row's own adapter's ranks (none for base rows),
+  every B side by side in one layer, and one add. Every row meets every adapter's ranks, so
+  its FLOPs grow with rows x adapters: on the default model's shapes at 32 rows over 8
+  adapters the 120 linears' updates took 13 ms a step (against about 13 for batched torch
+  multiplies over padded segments, and 19 for a pair per adapter), at 1 row 5.7 ms; a pair
+  per adapter wins from about 64 rows.
 A step naming no adapter has no `LoraStep` at all: its linears pay one `is None` test.
 """
 
@@ -36,8 +40,9 @@ from worker.engine.lora.adapter import LoraPair
 
 ALIGN = 32  # ranks padded to a multiple of this: the packed GEMM's input width
 # Steps of at most this many rows that name several adapters take the stacked layers: beyond
-# it their FLOPs (every row against every adapter's A) outweigh the calls they save.
-DENSE_ROWS = 128
+# it their FLOPs (every row against every adapter's ranks) outweigh the calls they save.
+DENSE_ROWS = 64
+PADDING = -2  # the slot of a padding rank (base rows are -1)
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,12 @@ class _Pair:
 @dataclass(frozen=True)
 class _Updates:
     """One linear's updates: each slot's pair (None where its adapter leaves the linear
-    alone), and every slot's stacked (`ranks` a slot, zeros for those without a pair)."""
+    alone), and every slot's stacked, each slot's ranks side by side (`columns`: the slot of
+    each stacked rank, `PADDING` for the zeros that make their number a multiple of `ALIGN`)."""
     pairs: tuple[_Pair | None, ...]
-    down: Linear  # x -> [rows, slots * ranks]
-    up: Linear  # [rows, slots * ranks] -> [rows, out]
-    ranks: int
+    down: Linear  # x -> [rows, stacked ranks]
+    up: Linear  # [rows, stacked ranks] -> [rows, out]
+    columns: torch.Tensor
 
 
 @dataclass
@@ -63,7 +69,7 @@ class LoraStep:
     updates: Mapping[Linear, _Updates]
     groups: list[tuple[int, slice | torch.Tensor]]  # (slot, its rows)
     slot_of_row: torch.Tensor | None  # [rows] (-1: base), when the step takes the stacks
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by ranks a slot
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by id of `columns`
 
     def add(self, linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the adapters' updates of `linear` to their rows of `y` (= linear(x)), in place."""
@@ -72,26 +78,28 @@ class LoraStep:
             return
         if self.slot_of_row is not None:
             h = updates.down(x)
-            h.mul_(self._mask(updates.ranks, len(updates.pairs), h.dtype))
+            h.mul_(self._mask(updates.columns, h.dtype))
             y.add_(updates.up(h))
             return
         for slot, rows in self.groups:
             pair = updates.pairs[slot]
             if pair is None:
                 continue
-            if isinstance(rows, slice):
+            if rows == slice(0, x.shape[0]):  # every row: a lone request
+                y.add_(pair.up(pair.down(x)))
+            elif isinstance(rows, slice):
                 y[rows] += pair.up(pair.down(x[rows]))
             else:
                 y.index_add_(0, rows, pair.up(pair.down(x.index_select(0, rows))))
 
-    def _mask(self, ranks: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, slots * ranks]: 1 where the column is the row's adapter's, else 0."""
-        mask = self._masks.get(ranks)
+    def _mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, stacked ranks]: 1 where the rank is the row's adapter's, else 0 (a base row
+        is slot -1, which no rank has)."""
+        mask = self._masks.get(id(columns))
         if mask is None:
             assert self.slot_of_row is not None
-            column_slot = torch.arange(slots * ranks, device=self.slot_of_row.device) // ranks
-            mask = (self.slot_of_row[:, None] == column_slot[None, :]).to(dtype)
-            self._masks[ranks] = mask
+            mask = (self.slot_of_row[:, None] == columns[None, :]).to(dtype)
+            self._masks[id(columns)] = mask
         return mask
 
 
@@ -103,8 +111,9 @@ class Loras:
                  native: bool = False) -> None:
         self.slots = {name: slot for slot, name in enumerate(adapters)}
         linears = {lin: None for pairs in adapters.values() for lin in pairs}
+        columns: dict[tuple[int, ...], torch.Tensor] = {}
         self.updates = {lin: _lay_out([pairs.get(lin) for pairs in adapters.values()], lin,
-                                      native) for lin in linears}
+                                      native, columns) for lin in linears}
 
     def step(self, chunks: Sequence[Chunk], device: torch.device) -> LoraStep | None:
         """The adapters `chunks` name and their rows, or None when none names one."""
@@ -128,25 +137,37 @@ class Loras:
                         None)
 
 
-def _lay_out(pairs: list[LoraPair | None], linear: Linear, native: bool) -> _Updates:
-    """One linear's updates from each slot's pair ([in, ranks] and [ranks, out], scaled)."""
-    present = [p for p in pairs if p is not None]
-    ranks = -(-max(p.a.shape[1] for p in present) // ALIGN) * ALIGN
-    like = present[0].a
-    down = torch.zeros(len(pairs) * ranks, linear.in_features, dtype=like.dtype,
-                       device=like.device)
-    up = torch.zeros(linear.out_features, len(pairs) * ranks, dtype=like.dtype,
-                     device=like.device)
-    for slot, pair in enumerate(pairs):
-        if pair is not None:
-            r = pair.a.shape[1]
-            down[slot * ranks : slot * ranks + r] = pair.a.t()
-            up[:, slot * ranks : slot * ranks + r] = pair.b.t()
-    own = tuple(None if pair is None else _Pair(
-        Linear(down[slot * ranks : (slot + 1) * ranks].contiguous(), native=native),
-        Linear(up[:, slot * ranks : (slot + 1) * ranks].contiguous(), native=native))
-        for slot, pair in enumerate(pairs))
-    return _Updates(own, Linear(down, native=native), Linear(up, native=native), ranks)
+def _lay_out(pairs: list[LoraPair | None], linear: Linear, native: bool,
+             columns: dict[tuple[int, ...], torch.Tensor]) -> _Updates:
+    """One linear's updates from each slot's pair ([in, ranks] and [ranks, out], scaled).
+    `columns` keeps one tensor per layout of ranks, shared by the linears that have it (the
+    step builds one mask per tensor)."""
+    like = next(p for p in pairs if p is not None).a
+    ranks = [0 if p is None else p.a.shape[1] for p in pairs]
+    width = -(-sum(ranks) // ALIGN) * ALIGN
+    down = torch.zeros(width, linear.in_features, dtype=like.dtype, device=like.device)
+    up = torch.zeros(linear.out_features, width, dtype=like.dtype, device=like.device)
+    own: list[_Pair | None] = []
+    start = 0
+    for pair, r in zip(pairs, ranks, strict=True):
+        if pair is None:
+            own.append(None)
+            continue
+        down[start : start + r] = pair.a.t()
+        up[:, start : start + r] = pair.b.t()
+        start += r
+        padded = -(-r // ALIGN) * ALIGN  # a slot alone: the packed GEMM's input width too
+        a = torch.zeros(padded, linear.in_features, dtype=like.dtype, device=like.device)
+        b = torch.zeros(linear.out_features, padded, dtype=like.dtype, device=like.device)
+        a[:r], b[:, :r] = pair.a.t(), pair.b.t()
+        own.append(_Pair(Linear(a, native=native), Linear(b, native=native)))
+    key = tuple(ranks)
+    if key not in columns:
+        slots = [slot for slot, r in enumerate(ranks) for _ in range(r)]
+        columns[key] = torch.tensor([*slots, *[PADDING] * (width - len(slots))],
+                                    dtype=torch.long, device=like.device)
+    return _Updates(tuple(own), Linear(down, native=native), Linear(up, native=native),
+                    columns[key])
 
 
 def _rows(ids: list[int], device: torch.device) -> slice | torch.Tensor:
