@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.table import Table
@@ -43,7 +44,7 @@ ONE_STREAM_TOKENS = 128
 B_SCALE = 0.05  # peft's random B, scaled down (see make_adapters)
 # redserve's n-gram speculation off: its gain depends on each text, and the loads compare texts
 # of different adapters (vLLM does not speculate unless told to).
-NO_SPECULATION = {"speculation": False}
+NO_SPECULATION: dict[str, Any] = {"speculation": False}
 
 
 def make_adapters(root: Path, count: int, rank: int) -> dict[str, Path]:
@@ -64,7 +65,7 @@ def make_adapters(root: Path, count: int, rank: int) -> dict[str, Path]:
                 if "lora_B" in name:
                     param.mul_(B_SCALE)
         path = root / f"adapter{i}"
-        model.save_pretrained(path)
+        model.save_pretrained(str(path))
         made[path.name] = path
     return made
 
@@ -86,7 +87,7 @@ class Load:
 
 
 async def _load(server: Server, models: list[str], prompts: tuple[str, ...],
-                max_tokens: int, extra: dict[str, bool]) -> Load:
+                max_tokens: int, extra: dict[str, Any]) -> Load:
     """One stream per prompt, all at once, the i-th on `models[i % len(models)]`."""
     load = Load()
     limits = httpx.Limits(max_connections=len(prompts) + 4)
@@ -107,7 +108,7 @@ async def _load(server: Server, models: list[str], prompts: tuple[str, ...],
 
 
 def _measure(server: Server, adapters: list[str], streams: int, max_tokens: int,
-             extra: dict[str, bool]) -> dict[str, Load]:
+             extra: dict[str, Any]) -> dict[str, Load]:
     def load(models: list[str], prompts: tuple[str, ...], tokens: int) -> Load:
         return asyncio.run(_load(server, models, prompts, tokens, extra))
 
