@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,7 @@ from redis.sentinel import Sentinel
 
 from ops.embedded_redis import free_port
 from ops.testkit.probe import scrape, wait_healthy
-from shared.keys import Keys, replica_of
+from shared.keys import WORKER_GROUP, Keys, replica_of
 from shared.messages import Error, Finish, GenerateRequest, Tokens, feed_fields
 from shared.redis_address import is_sentinel_url, parse_sentinel_url
 from shared.settings import WorkerSettings
@@ -232,6 +234,22 @@ def eventually(check: Callable[[], object], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+async def kill_first_worker_mid_stream(stack: Stack, r: redis.Redis, stream: str
+                                       ) -> list[dict[str, Any]]:
+    """SIGKILL the stack's first worker once it holds entries of `stream` (0.3 s later, so that
+    it is mid-stream); the entries it held, pending in its name, before another takes them."""
+    victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
+
+    def held() -> list[dict[str, Any]]:
+        return list(r.xpending_range(stream, WORKER_GROUP, "-", "+", 100, consumername=victim))
+
+    assert await asyncio.to_thread(eventually, held, 30), "the first worker took nothing"
+    await asyncio.sleep(0.3)
+    stack.worker_proc(0).send_signal(signal.SIGKILL)
+    stack.worker_proc(0).wait()
+    return held()
 
 
 @dataclass

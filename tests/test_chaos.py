@@ -41,7 +41,7 @@ from shared.messages import (
 )
 from shared.settings import DEFAULT_MODEL
 from tests.marks import needs_native_bf16
-from tests.stack import Stack, eventually, publish
+from tests.stack import Stack, eventually, kill_first_worker_mid_stream, publish
 
 MODEL = "tiny-llama"
 STREAMS = 20
@@ -111,14 +111,8 @@ def test_killed_worker_requests_resume_on_another_without_gap_or_repeat(
         async def disturbed() -> list[tuple[str, str]]:
             run = asyncio.create_task(_run_all(stack.base_url, served, max_tokens))
             # Kill the first worker once it holds some of the streams.
-            victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
-            assert await asyncio.to_thread(eventually, lambda: sync_redis.xpending_range(
-                keys.requests(served), WORKER_GROUP, "-", "+", 100, consumername=victim), 30)
-            await asyncio.sleep(0.3)
-            stack.worker_proc(0).send_signal(signal.SIGKILL)
-            stack.worker_proc(0).wait()
-            orphans.extend(sync_redis.xpending_range(keys.requests(served), WORKER_GROUP, "-",
-                                                     "+", 100, consumername=victim))
+            orphans.extend(await kill_first_worker_mid_stream(stack, sync_redis,
+                                                              keys.requests(served)))
             return await run
 
         orphans: list[dict[str, object]] = []

@@ -6,8 +6,6 @@ run, its adapter's and not the base's."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +14,10 @@ import pytest
 import redis
 from transformers import LlamaForCausalLM
 
-from shared.keys import WORKER_GROUP, Keys
+from shared.keys import Keys
 from shared.messages import GenerateRequest
 from tests.lora_adapters import ALL, make_adapter
-from tests.stack import Stack, eventually
+from tests.stack import Stack, kill_first_worker_mid_stream
 
 BASE = "tiny-llama"
 # Each stream's model: mostly adapters, a few base rows beside them.
@@ -77,14 +75,8 @@ def test_a_killed_workers_adapter_streams_continue_on_another_with_their_adapter
 
         async def disturbed() -> list[tuple[str, str]]:
             run = asyncio.create_task(_all(stack.base_url, MODELS))
-            victim = f"{socket.gethostname()}-{stack.worker_proc(0).pid}"
-            assert await asyncio.to_thread(eventually, lambda: sync_redis.xpending_range(
-                keys.requests(BASE), WORKER_GROUP, "-", "+", 100, consumername=victim), 30)
-            await asyncio.sleep(0.3)
-            stack.worker_proc(0).send_signal(signal.SIGKILL)
-            stack.worker_proc(0).wait()
-            orphans.extend(sync_redis.xpending_range(keys.requests(BASE), WORKER_GROUP, "-",
-                                                     "+", 100, consumername=victim))
+            orphans.extend(await kill_first_worker_mid_stream(stack, sync_redis,
+                                                              keys.requests(BASE)))
             for orphan in orphans:  # read before the survivor takes them over and ends them
                 entry = sync_redis.xrange(keys.requests(BASE), orphan["message_id"],
                                           orphan["message_id"])
