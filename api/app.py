@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from api.auth.guard import Guard
 from api.auth.keys import APIKeys, AuthConfigError
-from api.endpoints import chat, completions, requests, status, tokenize
+from api.endpoints import chat, completions, lora_adapters, requests, status, tokenize
 from api.endpoints.responses import routes as responses_routes
 from api.lifespan import Lifespan
 from api.protocol import errors
@@ -66,6 +66,7 @@ def install(app: FastAPI, settings: ApiSettings, api_keys: APIKeys, metrics: API
     app.include_router(completions.router)
     app.include_router(tokenize.router)
     app.include_router(responses_routes.router)
+    app.include_router(lora_adapters.router)
     app.add_middleware(Guard, keys=api_keys, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     # Added last, so outermost: it sees the guard's refusals too.

@@ -3,7 +3,8 @@
 Start-up loads the served models' tokenizers, wires the parts every route uses into one
 `AppContext` on one Redis connection, then starts what runs beside the requests: the result
 reader (which waits for Redis if it does not answer yet: api/queue/reader.py), then, once Redis
-answers, the placement refresher and the watch of the workers' liveness. Shut-down ends the
+answers, the placement refresher, the watch of the workers' liveness and the refresh of the
+runtime LoRA adapters' registry. Shut-down ends the
 requests still open past the drain (`api.app.drain`), then stops reading and disconnects;
 streams waiting out their resume grace run on, only their pending cancellation goes. What does
 not depend on Redis or a model (the API keys, the tenants' policies, the metrics) is made
@@ -24,6 +25,7 @@ from api.protocol.text import TextCodec
 from api.queue.admission import Admission, QueueLimits, Replication
 from api.queue.context import AppContext, Live
 from api.queue.limits.reservation import RateLimits
+from api.queue.loras import LoraRegistry
 from api.queue.metrics import APIMetrics, QueueDepths
 from api.queue.placement import Placement
 from api.queue.reader import ResultReader
@@ -85,17 +87,19 @@ class Lifespan:
                               metrics, remember_s=settings.heartbeat_ttl_s)
         workers = WorkerWatch(clients.commands, keys, list(models), settings.heartbeat_ttl_s,
                               starting_s=settings.queue_timeout_s)
+        loras = LoraRegistry(clients.commands, keys, models, adapters, metrics)
         return AppContext(settings, keys, models, clients, reader,
                           queue_admission(clients, keys, settings), metrics, replica, self.policies,
-                          RateLimits(clients.commands, keys), placement, workers, live,
+                          RateLimits(clients.commands, keys), placement, workers, loras, live,
                           adapters)
 
 
 async def run_beside(ctx: AppContext) -> None:
     """What runs beside the requests, once Redis answered (until then only the reader says
-    so): the placement's view of the workers, and the watch of their liveness."""
+    so): the placement's view of the workers, the watch of their liveness, and the view of
+    the LoRA adapters loaded at run time."""
     await ctx.reader.until_connected()
-    await asyncio.gather(ctx.placement.run(), ctx.workers.run())
+    await asyncio.gather(ctx.placement.run(), ctx.workers.run(), ctx.loras.run())
 
 
 async def load_models(settings: ApiSettings) -> dict[str, ServedModel]:

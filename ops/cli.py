@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         api_settings = settings_from(ApiSettings, args, "host", "port", "model",
                                      "served_model_name", "models_file", *LORA,
                                      "api_keys_file", "no_auth", *LIMITS, "placement",
-                                     "access_log", "log_request_text")
+                                     "allow_runtime_lora", "access_log", "log_request_text")
         _tokenizing_only(api_settings)  # before anything loads transformers
     if args.command != "bench":  # a client of any server: it needs no setting of redserve's
         logging = (name for name in LOGGING if hasattr(args, name))

@@ -96,6 +96,10 @@ def api_options(p: argparse.ArgumentParser, default_host: str, no_auth_default: 
                    "[env REDSERVE_TOKENS_PER_MINUTE]")
     p.add_argument("--tenants-file", help="TOML file of per-tenant rate limits and weights, "
                    "[tenants.<name>] tables (see docs/operations.md) [env REDSERVE_TENANTS_FILE]")
+    p.add_argument("--allow-runtime-lora", action="store_true", default=None,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter to the "
+                   "admin tenants of the tenants file (any caller without API keys) "
+                   "[env REDSERVE_ALLOW_RUNTIME_LORA]")
     p.add_argument("--placement", choices=("prefix", "random", "none"),
                    help="which worker a request goes to: prefix (default: the live worker "
                    "caching the longest prefix of its prompt, else the least loaded), random "

@@ -47,7 +47,7 @@ def run_up(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     settings = settings_from(ApiSettings, args, "port", "model", "served_model_name",
                              "models_file", *LORA, "api_keys_file", "no_auth", *LIMITS, "placement",
-                             "access_log", *LOGGING)
+                             "allow_runtime_lora", "access_log", *LOGGING)
     # The workers' settings too, though `up` passes them on as flags: a bad one is said now,
     # in one line, not by every worker as the supervisor restarts it.
     worker = settings_from(WorkerSettings, args, *WORKER_FLAGS, "batch_invariant")
@@ -174,11 +174,13 @@ def _up_children(args: argparse.Namespace, infos: list[ModelInfo], host: str,
     limits = [f for name in LIMITS if getattr(args, name) is not None
               for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     placement = ["--placement", args.placement] if args.placement else []
+    runtime_lora = ["--allow-runtime-lora"] if settings.allow_runtime_lora else []
     models = [info.name for info in infos]
     replicas = [ChildSpec(f"API replica :{url.rsplit(':', 1)[1]}", (
         *me, "api", "--host", host, "--port", url.rsplit(":", 1)[1], *every_model, *loras,
         *limits,
-        *placement, *logs, *access), functools.partial(_replica_ready, url, models))
+        *placement, *runtime_lora, *logs, *access),
+        functools.partial(_replica_ready, url, models))
         for url in urls]
     return children + replicas
 

@@ -13,6 +13,8 @@ enqueue a request (and the limits are per model, as OpenAI's are).
     {prefix}:model:{<model>}:service       hash: tenant -> weighted tokens served (TTL)
     {prefix}:model:{<model>}:workers       sorted set: live workers by heartbeat expiry (TTL)
     {prefix}:model:{<model>}:limits:<tenant>  hash: `messages.BucketField` (rate limits) (TTL)
+    {prefix}:model:{<model>}:loras         hash: adapter name -> `messages.RuntimeLora` JSON,
+                                           the adapters loaded at run time (no TTL: unload)
     {prefix}:{<replica>}:<id>              hash: `messages.RequestField`      (TTL)
     {prefix}:{<replica>}:<id>:out          result stream: tokens, then one terminal entry (TTL)
     {prefix}:{<replica>}:<id>:abort        set to cancel: the source of truth (TTL)
@@ -98,6 +100,11 @@ class Keys:
     def limits(self, model: str, tenant: str) -> str:
         """A tenant's rate-limit bucket for the model (`shared.messages.limits`)."""
         return f"{self._model(model)}:limits:{tenant}"
+    def loras(self, model: str) -> str:
+        """The LoRA adapters loaded over the model at run time (`shared.messages.loras`): a
+        registry, so no TTL; an entry goes when the adapter is unloaded."""
+        return f"{self._model(model)}:loras"
+
     def entries(self, model: str) -> str:
         return f"{self._model(model)}:entries"
 

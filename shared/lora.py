@@ -232,3 +232,11 @@ def _header(where: str, path: Path) -> dict[str, Any]:
         raise LoraError(f"{where}: {WEIGHTS_FILE} is not a safetensors file")
     header.pop("__metadata__", None)
     return header
+
+
+def named_spec(name: str, path: str) -> LoraSpec:
+    """An adapter named at run time (`POST /v1/load_lora_adapter`), its name checked as a
+    `--lora` name is."""
+    if not _NAME.match(name):
+        raise LoraError(f"bad adapter name {name[:128]!r}: no braces, commas, '=' or spaces")
+    return LoraSpec(name, Path(path))

@@ -136,6 +136,10 @@ class ApiSettings(Settings):
     requests_per_minute: int = Field(default=0, ge=0)
     tokens_per_minute: int = Field(default=0, ge=0)
     tenants_file: Path | None = None
+    # `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING), for admin tenants (shared/tenants.py) only; off, they
+    # answer 404 (docs/operations.md#lora-adapters).
+    allow_runtime_lora: bool = False
     # Largest request body accepted (413 beyond it), checked before it is parsed, and how long
     # a client may take to send it (408 after that).
     max_body_bytes: int = Field(default=2 * 1024**2, ge=1024)

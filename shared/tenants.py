@@ -9,9 +9,15 @@ of this file: a tenant's policy changes with a rolling restart of the replicas a
     requests_per_minute = 600     # 0: no limit
     tokens_per_minute = 200000    # prompt + max completion tokens, reserved at admission
     weight = 2.0                  # its share of a busy model beside the others (default 1)
+    adapters = ["acme-support"]   # the LoRA adapters it may name (absent: all of them)
+    admin = true                  # may load and unload adapters at run time (default false)
 
 The limits are per tenant per model (each model's buckets live in that model's Redis slot), as
 OpenAI's are per model. `tenant_policies` is the one place a process loads them.
+
+A tenant limited to named adapters sees any other adapter exactly as a name that does not
+exist (404 `model_not_found`, left out of `/v1/models`); the base models stay open to it. Names
+in its list that no adapter has (yet) are allowed: adapters come and go at run time.
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ class TenantPolicy:
     requests_per_minute: int = 0  # 0: unlimited
     tokens_per_minute: int = 0  # 0: unlimited
     weight: float = 1.0  # > 0; twice the weight, twice the service under contention
+    adapters: frozenset[str] | None = None  # the LoRA adapters it may name; None: all
+    admin: bool = False  # may load and unload LoRA adapters at run time
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether this tenant may name the LoRA adapter `adapter`."""
+        return self.adapters is None or adapter in self.adapters
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,8 @@ def _policy(name: str, entry: Any, default: TenantPolicy) -> TenantPolicy:
     where = f"tenant {name!r} of the tenants file"
     if not isinstance(entry, dict):
         raise TenantsConfigError(f"{where}: must be a table")
-    unknown = set(entry) - {"requests_per_minute", "tokens_per_minute", "weight"}
+    unknown = set(entry) - {"requests_per_minute", "tokens_per_minute", "weight", "adapters",
+                            "admin"}
     if unknown:
         raise TenantsConfigError(f"{where}: unknown keys {sorted(unknown)}")
     values = {"requests_per_minute": default.requests_per_minute,
@@ -92,5 +105,13 @@ def _policy(name: str, entry: Any, default: TenantPolicy) -> TenantPolicy:
     weight = values["weight"]
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
         raise TenantsConfigError(f"{where}: weight must be a number > 0, not {weight!r}")
+    adapters = entry.get("adapters")
+    if adapters is not None and (not isinstance(adapters, list)
+                                 or not all(isinstance(a, str) and a for a in adapters)):
+        raise TenantsConfigError(f"{where}: adapters must be a list of adapter names, "
+                                 f"not {adapters!r}")
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise TenantsConfigError(f"{where}: admin must be true or false, not {admin!r}")
     return TenantPolicy(values["requests_per_minute"], values["tokens_per_minute"],
-                        float(weight))
+                        float(weight), None if adapters is None else frozenset(adapters), admin)

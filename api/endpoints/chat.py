@@ -17,7 +17,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = app_context(request)
-    model = served(ctx, body.model)
+    model = await served(ctx, body.model, tenant_of(request))
     with tracing.span("redserve.tokenize"):
         prompt_ids = await chat_prompt_ids(model, body)
     prepared = await prepare(model, body, [prompt_ids])

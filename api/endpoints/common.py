@@ -18,6 +18,8 @@ from shared.messages import RequestHash
 from shared.scripts.request_flag import SET_FLAG, FlagArgs, FlagKeys
 
 log = logging.getLogger("redserve.api")
+# The most names a 404 for an unknown model lists (/v1/models lists them all).
+LISTED = 16
 
 
 def app_context(request: Request) -> AppContext:
@@ -52,14 +54,35 @@ def state_unavailable(e: Exception) -> APIError:
                     code="redis_unavailable", headers={"Retry-After": "1"})
 
 
-def served(ctx: AppContext, name: str) -> ServedModel:
-    """The model or LoRA adapter a body names, or 404 `model_not_found`."""
+async def served(ctx: AppContext, name: str, tenant: str) -> ServedModel:
+    """The model or LoRA adapter a body names, or 404 `model_not_found`: for a name this
+    replica does not know, after asking the registry of runtime adapters (`api.queue.loras`),
+    and for an adapter the tenant may not use (`shared/tenants.py`), exactly as for a name
+    that does not exist."""
     model = ctx.served(name)
     if model is None:
-        served = ", ".join(f"'{n}'" for n in (*ctx.models, *ctx.adapters))
+        try:
+            model = await ctx.loras.lookup(name)
+        except aioredis.RedisError as e:
+            raise state_unavailable(e) from e
+    policy = ctx.policies.of(tenant)
+    if model is None or (model.lora is not None and not policy.may_use(model.name)):
         raise APIError(404, f"The model '{name[:200]}' does not exist; this server serves "
-                       f"{served}.", param="model", code="model_not_found")
+                       f"{served_names(ctx, tenant)}.", param="model", code="model_not_found")
     return model
+
+
+def visible(ctx: AppContext, tenant: str) -> list[ServedModel]:
+    """The models and the adapters `tenant` may use, as this replica knows them now."""
+    policy = ctx.policies.of(tenant)
+    return [m for m in ctx.all_served() if m.lora is None or policy.may_use(m.name)]
+
+
+def served_names(ctx: AppContext, tenant: str) -> str:
+    """What a 404 lists: the names `tenant` may use, the first `LISTED` of them."""
+    names = [m.name for m in visible(ctx, tenant)]
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(f"'{n}'" for n in names[:LISTED]) + more
 
 
 def tenant_of(request: Request) -> str:

@@ -18,7 +18,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = app_context(request)
-    model = served(ctx, body.model)
+    model = await served(ctx, body.model, tenant_of(request))
     body.check_prompts(model)
     with tracing.span("redserve.tokenize"):
         prompts = [await model.codec.encode_text(p, body.add_special_tokens)

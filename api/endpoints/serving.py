@@ -97,9 +97,10 @@ async def start(ctx: AppContext, request: Request, prepared: Prepared, kind: Kin
     choices = [reply_choice(spec, g, model.codec, i, i // body.n)
                for i, g in enumerate(generations)]
     await _start_all(generations, choices, one_first=reservation is not None)
-    # Metrics count an adapter's requests as its base model's (its queue's).
+    # Metrics count an adapter's requests as its base model's (its queue's), and per adapter.
     ctx.metrics.accepted.labels(model.base, endpoint).inc()
-    _time_reply(ctx, generations, spec, model.base, tenant, now, body.stream, trace)
+    ctx.metrics.adapter_request(model.base, model.name)
+    _time_reply(ctx, generations, spec, model, tenant, now, body.stream, trace)
     headers = {"X-Request-Id": base_id,
                **(reservation.headers() if reservation is not None else {})}
     return Started(choices, spec, headers)
@@ -208,13 +209,14 @@ async def _start_all(generations: list[Generation], choices: list[Choice],
         raise
 
 
-def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec, model: str,
-                tenant: str, created: float, stream: bool, trace: ReplyTrace | None) -> None:
+def _time_reply(ctx: AppContext, generations: list[Generation], spec: ReplySpec,
+                model: ServedModel, tenant: str, created: float, stream: bool,
+                trace: ReplyTrace | None) -> None:
     """One timer for the reply, fed by all its choices (`api.queue.metrics.ReplyTimer`); it ends
     the reply's trace too."""
-    timer = ReplyTimer(ctx.metrics, request_id=spec.base_id, tenant=tenant, model=model,
+    timer = ReplyTimer(ctx.metrics, request_id=spec.base_id, tenant=tenant, model=model.base,
                        stream=stream, created=created, prompt_tokens=spec.prompt_tokens,
-                       choices=len(generations), trace=trace)
+                       choices=len(generations), trace=trace, adapter=model.name)
     for g in generations:
         g.timer = timer
 

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from api.endpoints.common import tenant_of, visible
 from api.protocol.errors import APIError
 from api.protocol.http import json_response
 from api.protocol.served_model import ServedModel
@@ -123,7 +124,9 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The models of this replica that a live worker serves now, and their LoRA adapters."""
+    """The models of this replica that a live worker serves now, and their LoRA adapters
+    (declared, and loaded at run time as this replica last read the registry) that the
+    caller's tenant may use."""
     ctx = _ctx(request)
     try:
         found = await live_workers(ctx)
@@ -132,17 +135,27 @@ async def models(request: Request) -> dict[str, Any]:
         raise APIError(503, "the list of live models is unavailable; retry shortly",
                        type="server_error", code="redis_unavailable",
                        headers={"Retry-After": "1"}) from e
-    served = [*ctx.models.values(), *ctx.adapters.values()]
-    return {"object": "list", "data": [_card(m) for m in served if found[m.base]]}
+    served = visible(ctx, tenant_of(request))  # of the adapters, those its tenant may use
+    return {"object": "list", "data": [_card(m, _created(ctx, m)) for m in served
+                                       if found[m.base]]}
 
 
-def _card(model: ServedModel) -> dict[str, Any]:
+def _created(ctx: AppContext, model: ServedModel) -> int:
+    """When a runtime adapter was loaded; else when its directory last changed (a runtime
+    adapter's need not exist where the replica runs: only where the workers do)."""
+    record = ctx.loras.records.get(model.name)
+    if record is not None:
+        return record.loaded_at
+    return int((model.lora.path if model.lora else model.info.path).stat().st_mtime)
+
+
+def _card(model: ServedModel, created: int) -> dict[str, Any]:
     """A model's entry; a LoRA adapter's names its base (`parent`) and its directory
     (`root`), as vLLM's does."""
     card: dict[str, Any] = {
         "id": model.name,
         "object": "model",
-        "created": int((model.lora.path if model.lora else model.info.path).stat().st_mtime),
+        "created": created,
         "owned_by": "redserve",
         "max_model_len": model.info.max_model_len,
     }

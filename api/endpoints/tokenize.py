@@ -33,19 +33,18 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
-from api.endpoints.common import app_context
+from api.endpoints.common import app_context, served, served_names, tenant_of
 from api.endpoints.serving import chat_prompt_ids
 from api.protocol.errors import APIError
 from api.protocol.http import json_response
 from api.protocol.served_model import ServedModel
 from api.protocol.tokenize_body import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
-from api.queue.context import AppContext
 
 router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    model = _served(app_context(request), body.model)
+    model = await _served(request, body.model)
     tokenizer = model.codec.tokenizer
     if isinstance(body, TokenizeChatRequest):
         ids = await chat_prompt_ids(model, body)
@@ -60,7 +59,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    model = _served(app_context(request), body.model)
+    model = await _served(request, body.model)
     tokenizer = model.codec.tokenizer
     limit = model.info.max_model_len
     if len(body.tokens) > limit:
@@ -80,18 +79,15 @@ def _pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
     return cast(list[str], tokenizer.convert_ids_to_tokens(ids))
 
 
-def _served(ctx: AppContext, name: str | None) -> ServedModel:
+async def _served(request: Request, name: str | None) -> ServedModel:
     """The model (or LoRA adapter) named, or with no name (vLLM's default model) the replica's
     only one."""
-    served = ", ".join(f"'{n}'" for n in (*ctx.models, *ctx.adapters))
+    ctx = app_context(request)
     if not name:
         if len(ctx.models) == 1:
             return next(iter(ctx.models.values()))
-        raise APIError(400, f"model is required: this server serves {served}.", param="model",
+        raise APIError(400, f"model is required: this server serves "
+                       f"{served_names(ctx, tenant_of(request))}.", param="model",
                        code="invalid_value")
-    model = ctx.served(name)
-    if model is None:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                       f"{served}.", param="model", code="model_not_found")
-    return model
+    return await served(ctx, name, tenant_of(request))
 

@@ -13,6 +13,7 @@ from typing import Protocol
 from api.protocol.served_model import ServedModel
 from api.queue.admission import Admission
 from api.queue.limits.reservation import RateLimits
+from api.queue.loras import LoraRegistry
 from api.queue.metrics import APIMetrics
 from api.queue.placement import Placement
 from api.queue.reader import ResultReader
@@ -99,10 +100,19 @@ class AppContext:
     limits: RateLimits
     placement: Placement  # which worker a new request goes to
     workers: WorkerWatch  # whether each model has a live worker, and since when not
+    # The LoRA adapters loaded at run time, as this replica last read them from Redis.
+    loras: LoraRegistry
     live: Live = field(default_factory=Live)
-    # LoRA adapters, by the name clients use, each served over one of `models` (its base).
+    # LoRA adapters declared at start, by the name clients use, each served over one of
+    # `models` (its base).
     adapters: dict[str, ServedModel] = field(default_factory=dict)
 
     def served(self, name: str) -> ServedModel | None:
-        """The model or adapter clients call `name`."""
-        return self.models.get(name) or self.adapters.get(name)
+        """The model or adapter clients call `name`, as this replica knows them now (a
+        request names one through `api.endpoints.common.served`, which also asks the
+        registry)."""
+        return self.models.get(name) or self.adapters.get(name) or self.loras.get(name)
+
+    def all_served(self) -> list[ServedModel]:
+        """The models, then the declared adapters, then the runtime ones."""
+        return [*self.models.values(), *self.adapters.values(), *self.loras.adapters.values()]

@@ -19,7 +19,11 @@ Labels stay bounded: model, stream, endpoint (the route: chat, completions or re
 share one generation path and so one set of timings), and outcome (finish reasons and error
 codes are fixed sets in the code); never a request id. A tenant is a label only on the
 rate-limit refusals: tenants are configured (API keys), so there are as many as the keys file
-has owners, and an operator needs to know whose requests the limits refuse.
+has owners, and an operator needs to know whose requests the limits refuse. An adapter is a
+label only on the per-adapter counters (requests and output tokens by `adapter`, the base
+model's requests under its own name): the adapters are the declared ones and those of the
+registry (`api/queue/loras.py`, itself bounded), and an unloaded adapter's series go with it
+(`forget_adapters`), so the label's values are bounded by what is loaded now.
 """
 
 from __future__ import annotations
@@ -108,6 +112,16 @@ class APIMetrics:
         self.slow_clients = Counter("redserve_api_slow_client_cancels_total",
                                     "Streams cancelled because the client fell behind",
                                     registry=r)
+        self.adapter_requests = Counter(
+            "redserve_api_adapter_requests_total", "Requests (replies) accepted, by base model "
+            "and the adapter named (the base model's own name for the base)",
+            ["model", "adapter"], registry=r)
+        self.adapter_tokens = Counter(
+            "redserve_api_adapter_output_tokens_total", "Tokens generated for this replica's "
+            "replies, by base model and adapter (counted as each reply ends)",
+            ["model", "adapter"], registry=r)
+        # The adapters whose series may exist now: the base models and the adapters served.
+        self._adapters: set[tuple[str, str]] = set()
         self.placements = Counter("redserve_api_placements_total",
                                   "Requests placed on a worker by prefix (api/queue/placement.py): "
                                   "hit (its worker holds a prefix page), miss, or overloaded "
@@ -131,6 +145,25 @@ class APIMetrics:
             ["model", "stream", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self._queues: QueueDepths | None = None
         self._queues_read = 0.0
+
+    def serve_adapters(self, served: set[tuple[str, str]]) -> None:
+        """The (base model, name) pairs served now; the series of any other go (an adapter
+        unloaded), and tokens for one that went are not counted (a reply still ending)."""
+        for gone in self._adapters - served:
+            for counter in (self.adapter_requests, self.adapter_tokens):
+                try:
+                    counter.remove(*gone)
+                except KeyError:  # none counted yet
+                    pass
+        self._adapters = set(served)
+
+    def adapter_request(self, model: str, adapter: str) -> None:
+        if (model, adapter) in self._adapters:
+            self.adapter_requests.labels(model, adapter).inc()
+
+    def adapter_output(self, model: str, adapter: str, tokens: int) -> None:
+        if (model, adapter) in self._adapters and tokens:
+            self.adapter_tokens.labels(model, adapter).inc(tokens)
 
     def watch(self, inflight: Callable[[], int], queues: Callable[[], int],
               buffered: Callable[[], int]) -> None:
@@ -177,13 +210,14 @@ class ReplyTimer:
     closes, the reply's duration is observed and its `request.finished` event logged."""
 
     def __init__(self, metrics: APIMetrics, *, request_id: str, tenant: str, model: str,
-                 stream: bool, created: float, prompt_tokens: int, choices: int,
+                 adapter: str, stream: bool, created: float, prompt_tokens: int, choices: int,
                  trace: ReplyTrace | None = None) -> None:
         self.metrics = metrics
         self.trace = trace
         self.request_id = request_id
         self.tenant = tenant
         self.model = model
+        self.adapter = adapter  # the name the request used: the base's, or an adapter's
         self.stream = stream
         self.created = created
         self.prompt_tokens = prompt_tokens
@@ -239,6 +273,7 @@ class ReplyTimer:
         reply_outcome = outcomes.pop() if len(outcomes) == 1 else "mixed"
         e2e = max(time.time() - self.created, 0.0)
         self.metrics.e2e.labels(*self._labels, reply_outcome).observe(e2e)
+        self.metrics.adapter_output(self.model, self.adapter, sum(self._tokens.values()))
         log_event(log, "request.finished", request_id=self.request_id, tenant=self.tenant,
                   model=self.model, stream=self.stream, choices=self.choices,
                   prompt_tokens=self.prompt_tokens,

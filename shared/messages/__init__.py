@@ -29,6 +29,8 @@ request and token levels for one model, written by the replicas' admission and s
 Queued-set member (`QueueMember`) and service counters (`ServiceCounters`): see `queue`.
 The Lua scripts that write these keys atomically, with typed KEYS, ARGV and replies, are in
 `shared.scripts` (the admission→take hand-off: `shared.scripts.handoff`).
+A LoRA adapter loaded at run time (`RuntimeLora`): JSON, one field of its model's adapter
+registry hash, written by the replica that loaded it and read by every replica.
 A worker's prefix summary (`PrefixSummary`): the public digests of its cached pages, binary.
 A stored Responses API reply (`StoredResponse`, fields `StoredResponseField`): JSON fields of one
 hash, written and read by the replicas only.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 from shared.messages.heartbeat import Heartbeat, KernelSet
 from shared.messages.limits import BUCKET_TTL_MS, WINDOW_MS, Bucket, BucketField
+from shared.messages.loras import RuntimeLora
 from shared.messages.prefix_summary import PrefixSummary
 from shared.messages.queue import QueueMember, ServiceCounters
 from shared.messages.requests import FinishReason, GenerateRequest, SamplingParams
@@ -81,6 +84,7 @@ __all__ = [
     "RequestState",
     "ResponsesStream",
     "ResultEntry",
+    "RuntimeLora",
     "SamplingParams",
     "ServiceCounters",
     "StoredResponse",

@@ -37,7 +37,7 @@ MAX_LIST = 100
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request) -> Response:
     ctx, tenant = app_context(request), tenant_of(request)
-    model = served(ctx, body.model)
+    model = await served(ctx, body.model, tenant)
     history = [] if body.previous_response_id is None else (await store.load(
         ctx, body.previous_response_id, tenant, "previous_response_id")).conversation()
     streamed = body.stream or body.background  # a background one is followed as a stream
