@@ -30,6 +30,16 @@ def test_named_tenants_override_the_default_field_by_field(tmp_path: Path) -> No
     assert policies.of("anyone-else") == DEFAULT
 
 
+def test_adapters_limit_a_tenant_and_admin_names_who_loads_them(tmp_path: Path) -> None:
+    policies = load(tmp_path, '[tenants.acme]\nadapters = ["sql", "chat"]\n\n'
+                              '[tenants.ops]\nadmin = true\n\n[tenants.none]\nadapters = []\n')
+    acme, ops = policies.of("acme"), policies.of("ops")
+    assert (acme.may_use("sql"), acme.may_use("other"), acme.admin) == (True, False, False)
+    assert (ops.may_use("anything"), ops.admin) == (True, True)
+    assert not policies.of("none").may_use("sql")
+    assert policies.of("anyone-else").may_use("sql") and not policies.of("anyone-else").admin
+
+
 def test_no_file_is_the_settings_default() -> None:
     policies = tenant_policies(ApiSettings(requests_per_minute=7, tokens_per_minute=9))
     assert policies.of("x") == TenantPolicy(7, 9) and not policies.tenants
@@ -41,6 +51,9 @@ def test_no_file_is_the_settings_default() -> None:
     ("[tenants.acme]\ntokens_per_minute = 1.5\n", "tokens_per_minute must be a whole number"),
     ("[tenants.acme]\nrequests_per_minute = true\n", "requests_per_minute must be a whole"),
     ("[tenants.acme]\nweight = 0\n", "weight must be a number > 0"),
+    ("[tenants.acme]\nadapters = \"sql\"\n", "adapters must be a list of adapter names"),
+    ("[tenants.acme]\nadapters = [1]\n", "adapters must be a list of adapter names"),
+    ("[tenants.acme]\nadmin = 1\n", "admin must be true or false"),
     ("[tenants.acme]\nrpm = 5\n", "tenant 'acme' of the tenants file: unknown keys ['rpm']"),
     ("[tenant.acme]\nrequests_per_minute = 5\n", "unknown tables or keys ['tenant']"),
     ("tenants = 3\n", "`tenants` must be a table"),

@@ -54,6 +54,7 @@ class LoraRegistry:
         self.adapters: dict[str, ServedModel] = {}
         self.records: dict[str, RuntimeLora] = {}
         self._refused: set[str] = set()  # registry entries this replica said it cannot serve
+        self._writes = 0  # this replica's loads and unloads: a refresh read before one is stale
         self._publish()
 
     def get(self, name: str) -> ServedModel | None:
@@ -83,8 +84,12 @@ class LoraRegistry:
             await asyncio.sleep(LORA_REFRESH_S)
 
     async def refresh(self) -> None:
+        """The view, from the whole registry; dropped if this replica loaded or unloaded an
+        adapter while it was read (it may predate that)."""
+        writes = self._writes
         raw = cast(dict[bytes, bytes], await self.redis.hgetall(self._key))
-        self._take({k.decode(): v for k, v in raw.items()}, keep=False)
+        if writes == self._writes:
+            self._take({k.decode(): v for k, v in raw.items()}, keep=False)
 
     async def add(self, record: RuntimeLora) -> bool:
         """Writes `record` to the registry and this view; False if the name is taken there.
@@ -92,6 +97,7 @@ class LoraRegistry:
         many as they are."""
         if await self.redis.hlen(self._key) >= MAX_RUNTIME_LORAS:
             raise RegistryFull(MAX_RUNTIME_LORAS)
+        self._writes += 1
         if not await self.redis.hsetnx(self._key, record.name, record.to_json()):
             return False
         self._take({record.name: record.to_json()}, keep=True)
@@ -99,6 +105,7 @@ class LoraRegistry:
 
     async def remove(self, name: str) -> bool:
         """Deletes `name` from the registry and this view; False if the registry had none."""
+        self._writes += 1
         removed = bool(await self.redis.hdel(self._key, name))
         if self.adapters.pop(name, None) is not None:
             self.records.pop(name, None)
