@@ -59,16 +59,24 @@ async def served(ctx: AppContext, name: str, tenant: str) -> ServedModel:
     replica does not know, after asking the registry of runtime adapters (`api.queue.loras`),
     and for an adapter the tenant may not use (`shared/tenants.py`), exactly as for a name
     that does not exist."""
+    model = await known(ctx, name)
+    policy = ctx.policies.of(tenant)
+    if model is None or (model.lora is not None and not policy.may_use(model.name)):
+        raise APIError(404, f"The model '{name[:200]}' does not exist; this server serves "
+                       f"{served_names(ctx, tenant)}.", param="model", code="model_not_found")
+    return model
+
+
+async def known(ctx: AppContext, name: str) -> ServedModel | None:
+    """The model or adapter `name`, as this replica knows it, else from the registry of
+    runtime adapters (one loaded on another replica a moment ago). For a request already
+    accepted (resumed, rendered), as for a new one."""
     model = ctx.served(name)
     if model is None:
         try:
             model = await ctx.loras.lookup(name)
         except aioredis.RedisError as e:
             raise state_unavailable(e) from e
-    policy = ctx.policies.of(tenant)
-    if model is None or (model.lora is not None and not policy.may_use(model.name)):
-        raise APIError(404, f"The model '{name[:200]}' does not exist; this server serves "
-                       f"{served_names(ctx, tenant)}.", param="model", code="model_not_found")
     return model
 
 

@@ -8,7 +8,13 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.endpoints.common import app_context, mark_resumed, owned_state, state_unavailable
+from api.endpoints.common import (
+    app_context,
+    known,
+    mark_resumed,
+    owned_state,
+    state_unavailable,
+)
 from api.endpoints.serving import resume
 from api.protocol.errors import APIError
 from api.protocol.http import json_response
@@ -60,7 +66,7 @@ async def resume_stream(request_id: str, request: Request) -> Response:
         raise APIError(400, f"request {request_id!r} is a Responses API stream: resume it "
                        f"with GET /v1/responses/resp_{request_id}?stream=true",
                        param="request_id", code="not_resumable")
-    model = ctx.served(view.spec.model)
+    model = await known(ctx, view.spec.model)
     if model is None:
         raise APIError(404, f"request {request_id!r} is for model {view.spec.model!r}, which "
                        "this replica does not serve; resume it on one that does",

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from api.endpoints.common import known
 from api.endpoints.responses import store
 from api.protocol.errors import APIError
 from api.protocol.responses_body import ResponsesRequest
@@ -108,7 +109,7 @@ async def settle(ctx: AppContext, stored: store.Stored, tenant: str) -> dict[str
         records = cast(StreamEntries, await commands.xrange(ctx.keys.out(request_id)))
     except aioredis.RedisError as e:
         raise store.unavailable(e) from e
-    model = ctx.served(response["model"])
+    model = await known(ctx, response["model"])
     if raw_view is None or model is None:  # expired, or not this replica's model
         return response
     view = StreamView.from_json(cast(bytes, raw_view))

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from api.endpoints.common import mark_resumed, owned_state, tenant_of
+from api.endpoints.common import known, mark_resumed, owned_state, tenant_of
 from api.endpoints.responses import store
 from api.protocol.errors import APIError
 from api.protocol.responses_body import ResponsesRequest
@@ -53,7 +53,7 @@ async def resume(ctx: AppContext, request: Request, response_id: str, after: int
         raise APIError(400, f"response {response_id!r} was not streamed, so it cannot be "
                        "resumed", param="stream", code="not_resumable")
     spec = view.spec
-    model = ctx.served(spec.model)
+    model = await known(ctx, spec.model)
     if model is None:
         raise APIError(404, f"response {response_id!r} is for model {spec.model!r}, which "
                        "this replica does not serve; resume it on one that does",
