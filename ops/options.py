@@ -146,7 +146,8 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, help="most requests decoded together "
                    "(default 32) [env REDSERVE_MAX_RUNNING]")
     p.add_argument("--max-loras", type=positive, help="the most LoRA adapters a worker "
-                   "holds; every declared one is loaded at start (default 8) "
+                   "holds at once: others are loaded when a request names one, the least "
+                   "recently used evicted (default 8) "
                    "[env REDSERVE_MAX_LORAS]")
     p.add_argument("--queue-policy", choices=("fair", "fifo"), help="which queued request a "
                    "worker with room takes: fair (lowest priority, then the least-served "

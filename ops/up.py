@@ -26,7 +26,7 @@ import httpx
 
 from ops.options import LIMITS, LOGGING, LORA, console, lora_specs, model_specs, settings_from
 from ops.supervisor import ChildSpec, Supervisor
-from shared.lora import LoraError, check_resident, parse_lora_specs, read_adapters
+from shared.lora import LoraError, check_compute, parse_lora_specs, read_adapters
 from shared.models import ModelInfo, ModelNotFound, resolve_models
 from shared.redis_address import public
 from shared.settings import ApiSettings, WorkerSettings
@@ -64,7 +64,7 @@ def run_up(args: argparse.Namespace) -> int:
             infos = resolve_models(specs, settings.cache_dir)
             adapters = read_adapters(lora_specs(settings), {i.name: i.path for i in infos},
                                      settings.max_lora_rank)
-            check_resident(len(adapters), worker.max_loras, worker.batch_invariant)
+            check_compute(len(adapters), worker.batch_invariant)
         except (ModelNotFound, LoraError) as e:
             log.error("%s", e)
             return 2

@@ -1,5 +1,6 @@
-"""LoRA adapters declared at start (`--lora NAME=PATH`, `REDSERVE_LORA`): what an adapter in
-PEFT's format holds, checked against its base model without torch.
+"""LoRA adapters (`--lora NAME=PATH`, `REDSERVE_LORA`, or the path a request carries to a
+worker): what an adapter in PEFT's format holds, checked against its base model without
+torch.
 
 Both sides read this module: an API replica lists each adapter as a model (and maps a request
 naming it to its base model's queue), and a worker checks each before loading its tensors
@@ -133,12 +134,10 @@ def read_adapters(specs: list[LoraSpec], bases: dict[str, Path],
     return {s.name: (base_name, read_adapter(s, shapes, max_rank)) for s in specs}
 
 
-def check_resident(count: int, max_loras: int, batch_invariant: bool) -> None:
-    """What a worker refuses of a set of `count` adapters, all loaded at start: more than
-    `--max-loras`, or any in batch-invariant mode."""
-    if count > max_loras:
-        raise LoraError(f"{count} adapters are declared and --max-loras is {max_loras}: a "
-                        "worker holds every declared adapter")
+def check_compute(count: int, batch_invariant: bool) -> None:
+    """What a worker refuses of `count` declared adapters: any in batch-invariant mode. (As
+    many may be declared as wanted: a worker holds `--max-loras` at once, loading the others
+    when a request names one: worker/engine/lora/resident.py.)"""
     if count and batch_invariant:
         raise LoraError("--batch-invariant is not offered with --lora: an adapter's update is "
                         "computed per step's group of rows, whose rounding was not measured")

@@ -221,9 +221,9 @@ class WorkerSettings(Settings):
     threads: int = Field(default=0, ge=0)
     decode_threads: int = Field(default=0, ge=0)
     max_running: int = Field(default=32, ge=1)
-    # The most LoRA adapters a worker holds: every declared adapter is loaded at start and stays
-    # resident (a worker refuses to start with more), each costing rank x (in + out) weights
-    # per projection it targets.
+    # The most LoRA adapters a worker holds at once (worker/engine/lora/resident.py): the
+    # declared ones are preloaded up to it, others loaded when a request names one, the least
+    # recently used evicted; each costs rank x (in + out) weights per projection it targets.
     max_loras: int = Field(default=8, ge=1)
     # Prompt tokens prefilled per step beside the running decodes: longer prompts run in
     # chunks, so a long prompt delays decodes by at most one such chunk. 0 = by device (512 on

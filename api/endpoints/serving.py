@@ -136,6 +136,7 @@ def _requests(ctx: AppContext, prepared: Prepared, base_id: str, now: float, ten
             id=base_id if index == 0 else f"{base_id}-{index}",
             model=model.base,
             lora=model.lora_name,
+            lora_path=str(model.lora.path) if model.lora is not None else "",
             prompt_ids=tuple(prompt_ids),
             params=body.to_sampling_params(prepared.max_tokens[index // body.n], index),
             created=now,

@@ -22,6 +22,7 @@ ERROR_STATUS = {
     "context_length": 400,
     "invalid_grammar": 400,
     "model_not_found": 404,
+    "invalid_lora_adapter": 400,  # an adapter the worker could not load (the problem named)
     "queue_timeout": 503,
     "no_worker": 503,
     "worker_shutdown": 503,

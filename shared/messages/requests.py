@@ -64,6 +64,9 @@ class GenerateRequest(BaseModel):
     # The LoRA adapter the request named in "model" (shared/lora.py), applied over `model`, its
     # base; absent from the entry's JSON when none, so a base request's entry is unchanged.
     lora: str = Field(default="", exclude_if=lambda v: not v, max_length=128)
+    # Where that adapter lives (its PEFT directory, as the replica knows it): a worker that does
+    # not hold it loads it from there (worker/engine/lora/resident.py). Absent when empty.
+    lora_path: str = Field(default="", exclude_if=lambda v: not v, max_length=4096)
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "body": self.model_dump_json()}

@@ -11,13 +11,7 @@ import logging
 import orjson
 import torch
 
-from shared.lora import (
-    BaseShapes,
-    LoraAdapter,
-    check_resident,
-    parse_lora_specs,
-    read_adapters,
-)
+from shared.lora import LoraAdapter, check_compute, parse_lora_specs, read_adapters
 from shared.models import ModelInfo
 from shared.settings import WorkerSettings
 from worker.engine import checkpoint, onednn
@@ -27,8 +21,7 @@ from worker.engine.dtype import dtype_name, pick_dtype
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVPool, budget_bytes
 from worker.engine.linear import check_quantization
-from worker.engine.lora.adapter import load_adapter
-from worker.engine.lora.apply import Loras
+from worker.engine.lora.resident import LoraLimits, Residency
 from worker.engine.model_runner import ModelRunner
 from worker.engine.speculation.speculator import NO_SPECULATION, SpeculationConfig
 from worker.engine.synthetic import SyntheticRunner
@@ -93,24 +86,27 @@ def check_loras(info: ModelInfo, settings: WorkerSettings) -> list[LoraAdapter]:
     """The declared adapters, checked against the model (without torch: `shared/lora.py`)
     and against what this worker computes; LoraError names the problem."""
     specs = parse_lora_specs(settings.lora)
-    check_resident(len(specs), settings.max_loras, settings.batch_invariant)
+    check_compute(len(specs), settings.batch_invariant)
     adapters = read_adapters(specs, {info.name: info.path}, settings.max_lora_rank)
     return [adapter for _, adapter in adapters.values()]
 
 
 def attach_loras(runner: ModelRunner, info: ModelInfo,
-                 settings: WorkerSettings) -> frozenset[str]:
-    """The declared adapters loaded onto `runner`; their names."""
+                 settings: WorkerSettings) -> Residency | None:
+    """The worker's adapters on `runner` (worker/engine/lora/resident.py), the declared ones
+    preloaded up to `--max-loras`; None in batch-invariant mode, which serves none."""
     adapters = check_loras(info, settings)
-    if not adapters:
-        return frozenset()
-    shapes = BaseShapes.read(info.path)
-    runner.loras = Loras({a.name: load_adapter(a, shapes, runner.layers, runner.kv_shape.dtype,
-                                               runner.device) for a in adapters},
-                         native=runner.kernels.native)  # as the base linears (no invariance)
-    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {len(a.modules)} "
-                                            f"projections)" for a in adapters))
-    return frozenset(a.name for a in adapters)
+    if runner.kernels.batch_invariant:
+        return None
+    residency = Residency(runner, LoraLimits(info.name, info.path, settings.max_loras,
+                                             settings.max_lora_rank),
+                          {a.name: a.path for a in adapters})
+    residency.preload(adapters)
+    if adapters:
+        log.info("LoRA adapters: %s; %d resident at most (--max-loras)",
+                 ", ".join(f"{a.name} (rank {a.rank}, {len(a.modules)} projections)"
+                           for a in adapters), settings.max_loras)
+    return residency
 
 
 def speculation_config(settings: WorkerSettings) -> SpeculationConfig:

@@ -30,11 +30,13 @@ from typing import Protocol
 
 import torch
 
+from shared.lora import LoraError
 from shared.messages import Error, FinishReason, GenerateRequest, TokenLogprob
 from worker.engine.chunk import Chunk
 from worker.engine.constraint import ConstraintError, Constraints, suppress
 from worker.engine.kernels import Kernels
 from worker.engine.kv_cache import KVPool, KVShape
+from worker.engine.lora.resident import Residency
 from worker.engine.sampler import Row, Sampled, SamplingError, make_generator, sample
 from worker.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import Sequence
@@ -45,6 +47,11 @@ from worker.engine.speculation.speculator import (
     Speculator,
 )
 from worker.engine.threads import ThreadChooser, ThreadPolicy
+
+
+# With nothing to run but requests whose adapters are being read: how long a step waits for
+# a read to end before it returns (the service then hears new requests and aborts).
+LORA_WAIT_S = 0.05
 
 
 class Runner(Protocol):
@@ -93,7 +100,9 @@ class EngineConfig:
     prefix_caching: bool = True
     threads: ThreadPolicy | None = None  # CPU threads per step (None: leave torch's setting)
     speculation: SpeculationConfig = NO_SPECULATION
-    loras: frozenset[str] = frozenset()  # the LoRA adapters its runner holds, by name
+    # The LoRA adapters its runner holds and loads (worker/engine/build.py's attach_loras);
+    # None: it serves none.
+    loras: Residency | None = None
 
 
 class Engine:
@@ -110,7 +119,8 @@ class Engine:
             max_running=config.max_running, max_step_tokens=config.max_step_tokens,
             num_pages=pool.num_pages, page_size=pool.page_size,
             prefix_caching=config.prefix_caching,
-        ), self.speculator if config.speculation.method != "off" else None)
+        ), self.speculator if config.speculation.method != "off" else None,
+            lora_ready=config.loras.holds if config.loras is not None else None)
         self.num_generated = 0  # tokens sampled since start (the heartbeat's tokens/s)
         self.generator = torch.Generator(device=runner.device)  # seeded requests have their own
         self.generator.seed()
@@ -123,9 +133,8 @@ class Engine:
         they complete its grammar already: only its finish entry was lost."""
         params = request.params
         num_prompt = len(request.prompt_ids)
-        if request.lora and request.lora not in self.config.loras:
-            raise AdmissionError(f"this worker holds no LoRA adapter {request.lora!r}",
-                                 "model_not_found")
+        if request.lora:
+            self._want(request)
         if num_prompt >= self.config.max_model_len:
             raise AdmissionError(
                 f"prompt has {num_prompt} tokens; the model's context is "
@@ -162,12 +171,43 @@ class Engine:
         )
         return None
 
+    def _want(self, request: GenerateRequest) -> None:
+        """Its adapter resident, or on its way (its request waits in the queue meanwhile)."""
+        if self.config.loras is None:
+            raise AdmissionError("this worker serves no LoRA adapter (batch-invariant)",
+                                 "model_not_found")
+        try:
+            self.config.loras.want(request.lora, request.lora_path)
+        except LoraError as e:
+            raise AdmissionError(str(e), "model_not_found") from None
+
     def step(self) -> list[StepOutput]:
+        failed = self._settle_loras()
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            if self.config.loras is not None and not failed:  # only adapters being read
+                self.config.loras.wait(LORA_WAIT_S)
+            return failed
         logits = self._run(plan)
-        return self._postprocess(plan, logits)
+        return failed + self._postprocess(plan, logits)
+
+    def _settle_loras(self) -> list[StepOutput]:
+        """Lay out the adapters read since the last step (worker/engine/lora/resident.py); a
+        request waiting for one that failed its checks ends with the problem."""
+        loras = self.config.loras
+        if loras is None or not loras.loading:
+            return []
+        seqs = [*self.scheduler.running.values(), *self.scheduler.waiting]
+        failed = loras.settle({s.request.lora for s in seqs if s.request.lora})
+        outputs = []
+        for seq in seqs:
+            problem = failed.get(seq.request.lora)
+            if problem is not None and self.scheduler.abort(seq.request.id):
+                outputs.append(StepOutput(seq.request.id, seq.num_output, None, None,
+                                          seq.num_prompt, seq.num_output,
+                                          error=Error(problem, "invalid_request_error",
+                                                      "invalid_lora_adapter")))
+        return outputs
 
     def _run(self, plan: SchedulerOutput) -> torch.Tensor:
         """One forward pass over the plan's chunks: logits for `plan.sampled`, in order."""

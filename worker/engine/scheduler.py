@@ -21,7 +21,8 @@ engine is left with running a plan and sampling from its logits.
    back (it keeps its place at the head of the queue and its running slot, and those behind
    it may go first) and takes the page from the cache once computed: requests arriving
    together with a new shared prefix (placement sends them to one worker: api/queue/placement.py)
-   compute it once, not once each.
+   compute it once, not once each. A request naming a LoRA adapter not resident yet
+   (worker/engine/lora/resident.py) keeps its place too, without holding a running slot.
 4. draft tokens for the decoding requests, as the `Proposer` (worker/engine/speculation/) offers
    them under its budget: each decode chunk then carries its drafts after its token, with
    pages reserved for them only from what is free beyond one page per running request (a draft
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -136,9 +138,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None, *,
+                 lora_ready: Callable[[str], bool] | None = None) -> None:
         self.config = config
         self.proposer = proposer
+        # Whether a LoRA adapter is resident (worker/engine/lora/resident.py): a request
+        # naming one that is not waits in the queue, and those behind it may go first.
+        self.lora_ready = lora_ready
         self.pages = PageManager(config.num_pages, config.page_size,
                                  prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -310,10 +316,15 @@ class Scheduler:
                 scheduled.append((seq, n))
                 busy.add(id(seq))
                 budget -= n
-        held: list[Sequence] = []  # each keeps a running slot: none goes to those behind
+        held: list[Sequence] = []  # back to the queue's head, in their order, after the loop
+        holding = 0  # of them, those that keep a running slot: none goes to those behind
         while (self.waiting and budget > 0
-               and len(self.running) + len(held) < self.config.max_running):
+               and len(self.running) + holding < self.config.max_running):
             seq = self.waiting[0]
+            lora = seq.request.lora
+            if lora and self.lora_ready is not None and not self.lora_ready(lora):
+                held.append(self.waiting.popleft())  # its adapter is being loaded
+                continue
             if not seq.pages:
                 seq.pages, seq.page_keys = self.pages.match(seq.tokens, seq.cache_root)
                 seq.num_computed = len(seq.pages) * self.pages.page_size
@@ -322,6 +333,7 @@ class Scheduler:
             if self._next_page_in_step(seq, scheduled):
                 self._release(seq)
                 held.append(self.waiting.popleft())
+                holding += 1
                 continue
             # Admit only a prompt whose every page is free now, so that half-done prompts
             # don't crowd each other out; its first chunk may still be smaller.

@@ -53,7 +53,13 @@ def load_adapter(adapter: LoraAdapter, base: BaseShapes, layers: Sequence[FusedL
                  dtype: torch.dtype, device: torch.device) -> dict[Linear, LoraPair]:
     """The adapter's pairs, by the fused linear each updates (the linears it leaves alone have
     none). Its tensors are read with safetensors, then cast to the compute dtype."""
-    tensors = load_file(str(adapter.weights))
+    return pair_up(adapter, load_file(str(adapter.weights)), base, layers, dtype, device)
+
+
+def pair_up(adapter: LoraAdapter, tensors: dict[str, torch.Tensor], base: BaseShapes,
+            layers: Sequence[FusedLayer], dtype: torch.dtype,
+            device: torch.device) -> dict[Linear, LoraPair]:
+    """`load_adapter` from its weights file's tensors, already read."""
     by_place = {(m.layer, m.target): m for m in adapter.modules}
     pairs: dict[Linear, LoraPair] = {}
     for i, layer in enumerate(layers):

