@@ -114,14 +114,16 @@ def test_the_commands_exit_2_naming_the_bad_adapter(
     assert f"adapter 'wide' ({adapter}): rank 32 is over --max-lora-rank 16" in done.stderr
 
 
-def test_up_refuses_more_adapters_than_a_worker_holds_before_starting_anything(
+def test_up_refuses_adapters_in_batch_invariant_mode_before_starting_anything(
         base: tuple[PreTrainedModel, Path], tmp_path: Path) -> None:
+    """More adapters than --max-loras is fine (a worker loads them as named); batch-invariant
+    mode with adapters is not."""
     adapter = make_adapter(base[0], tmp_path / "a", ["q_proj"])
     done = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--model", str(base[1]),
                            "--lora", f"a={adapter}", "--lora", f"b={adapter}", "--max-loras",
-                           "1"], env=child_env(None, "rs"), capture_output=True, text=True,
-                          timeout=120)
+                           "1", "--batch-invariant"], env=child_env(None, "rs"),
+                          capture_output=True, text=True, timeout=120)
     said = " ".join(done.stderr.split())
     assert done.returncode == 2, said
-    assert "2 adapters are declared and --max-loras is 1" in said
+    assert "--batch-invariant is not offered with --lora" in said
     assert "embedded" not in said and "ready" not in said, said
