@@ -48,7 +48,6 @@ from worker.engine.speculation.speculator import (
 )
 from worker.engine.threads import ThreadChooser, ThreadPolicy
 
-
 # With nothing to run but requests whose adapters are being read: how long a step waits for
 # a read to end before it returns (the service then hears new requests and aborts).
 LORA_WAIT_S = 0.05

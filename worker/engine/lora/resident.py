@@ -22,18 +22,38 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import torch
 from safetensors.torch import load as parse_safetensors
 
 from shared.lora import BaseShapes, LoraAdapter, LoraError, LoraSpec, read_adapters
-from worker.engine.lora.adapter import pair_up
+from worker.engine.kernels import Kernels
+from worker.engine.kv_cache import KVShape
+from worker.engine.lora.adapter import FusedLayer, pair_up
 from worker.engine.lora.apply import Loras
-from worker.engine.model_runner import ModelRunner
 
 log = logging.getLogger("redserve.worker")
+
+
+class LoraHost(Protocol):
+    """What adapters are laid out for and attached to: `worker/engine/model_runner.py`'s
+    ModelRunner (its `loras` is what each step applies)."""
+
+    loras: Loras | None
+
+    @property
+    def layers(self) -> Sequence[FusedLayer]: ...
+    @property
+    def kv_shape(self) -> KVShape: ...
+    @property
+    def kernels(self) -> Kernels: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +80,7 @@ class Residency:
     naming no adapter pays what it paid before adapters existed). Every method but the reader
     thread's runs on the compute thread or between steps."""
 
-    def __init__(self, runner: ModelRunner, limits: LoraLimits,
+    def __init__(self, runner: LoraHost, limits: LoraLimits,
                  declared: dict[str, Path]) -> None:
         self.runner = runner
         self.limits = limits
