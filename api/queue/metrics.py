@@ -124,8 +124,10 @@ class APIMetrics:
         self._adapters: set[tuple[str, str]] = set()
         self.placements = Counter("redserve_api_placements_total",
                                   "Requests placed on a worker by prefix (api/queue/placement.py): "
-                                  "hit (its worker holds a prefix page), miss, or overloaded "
-                                  "(the holder had no room)", ["model", "outcome"], registry=r)
+                                  "hit (its worker holds a prefix page), miss, overloaded "
+                                  "(the holder had no room), or adapter (its worker holds the "
+                                  "request's LoRA adapter, no prefix page)",
+                                  ["model", "outcome"], registry=r)
         self.responses = Counter("redserve_api_http_responses_total",
                                  "HTTP responses by status class and code", ["class", "code"],
                                  registry=r)

@@ -12,9 +12,18 @@ pages, same tenant), unless that worker has no room (running + waiting, plus wha
 placed on it since the view was read, reaches its capacity): then to the least loaded, as does
 a request that matches nowhere. A miss's choice is remembered for its prompt's pages for a
 short while, so that a burst sharing a new prefix lands on one worker before any summary shows
-it. The choice is only a preference: the take script lets any worker take a placed request
-once its worker is gone or after `placement_wait_s` (worker/broker/take.py), so a stale view costs
-a cache miss, never a request. With no live worker in view, nothing is placed.
+it.
+
+A request naming a LoRA adapter prefers a worker holding it (its heartbeat lists the adapters
+it holds: worker/engine/lora/resident.py), as a prefix hit is preferred: the holder with room
+that holds the longest prefix (the least loaded of equals) takes it; when no holder has room,
+or none holds it, the least loaded does, and loads the adapter (a cold load, against queue
+depth). That choice too is remembered for a short while, so that a burst naming an adapter
+no worker holds loads it on one worker.
+
+The choice is only a preference: the take script lets any worker take a placed request once its
+worker is gone or after `placement_wait_s` (worker/broker/take.py), so a stale view costs a
+cache miss (or an adapter's load), never a request. With no live worker in view, nothing is placed.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ REFRESH_S = 1.0
 # Remembered misses: at most this many pages, each for the time a summary takes to show it.
 MAX_REMEMBERED = 65_536
 
-Outcome = Literal["hit", "miss", "overloaded"]
+Outcome = Literal["hit", "miss", "overloaded", "adapter"]
 
 
 @dataclass
@@ -70,6 +79,8 @@ class Placement:
     views: dict[str, list[WorkerView]] = field(default_factory=dict)  # by model
     # (model, page digest) -> (worker, until when): recent misses' choices.
     _recent: dict[tuple[str, bytes], tuple[str, float]] = field(default_factory=dict)
+    # (model, adapter) -> (worker, until when): recent cold loads' choices.
+    _recent_loras: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
 
     async def run(self) -> None:
         """Keep the view fresh until cancelled; a failed refresh keeps the last view."""
@@ -118,6 +129,7 @@ class Placement:
                 view.summary = read.get(view.name, view.summary)
         self.views = views
         self._recent = {k: v for k, v in self._recent.items() if v[1] > now}
+        self._recent_loras = {k: v for k, v in self._recent_loras.items() if v[1] > now}
 
     def place(self, model: str, tenant: str, prompt: Sequence[int], lora: str = "") -> str:
         """The worker to run this prompt (under LoRA adapter `lora`, "" for none) on, or ""
@@ -127,12 +139,20 @@ class Placement:
             return ""
         if self.mode == "random":
             return self._placed(random.choice(views))
+        if lora:
+            holders = [v for v in views if v.has_room and self._holds(model, v, lora)]
+            if holders:
+                best, matched, _ = self._longest_prefix(model, holders, tenant, prompt, lora)
+                self.metrics.placements.labels(model, "hit" if matched else "adapter").inc()
+                return self._placed(best or min(holders, key=lambda v: v.load))
         best, matched, digests = self._longest_prefix(model, views, tenant, prompt, lora)
         if best is not None and matched and best.has_room:
             self.metrics.placements.labels(model, "hit").inc()
             return self._placed(best)
         least = min(views, key=lambda v: (v.load - v.beat.capacity, v.load))
         self.metrics.placements.labels(model, "overloaded" if matched else "miss").inc()
+        if lora and len(self._recent_loras) < MAX_REMEMBERED:  # it loads the adapter there
+            self._recent_loras[(model, lora)] = (least.name, time.time() + self.remember_s)
         if not matched and len(self._recent) < MAX_REMEMBERED:
             until = time.time() + self.remember_s
             for digest in digests:
@@ -167,6 +187,14 @@ class Placement:
                 best, matched = view, n
         first = next(iter(by_page_size.values()), [])
         return best, matched, first
+
+    def _holds(self, model: str, view: WorkerView, lora: str) -> bool:
+        """Whether `view`'s worker holds adapter `lora`, or was sent a request to load it a
+        moment ago (its heartbeat may not say so yet)."""
+        if lora in view.beat.loras:
+            return True
+        recent = self._recent_loras.get((model, lora))
+        return recent is not None and recent[0] == view.name and recent[1] > time.time()
 
     @staticmethod
     def _placed(view: WorkerView) -> str:

@@ -115,7 +115,7 @@ def _bytes(n: int) -> str:
 
 def _workers(s: Snapshot) -> Table:
     table = Table(title="workers", title_justify="left")
-    text = ("worker", "model", "device", "dtype", "kernels", "threads")
+    text = ("worker", "model", "device", "dtype", "kernels", "threads", "adapters")
     for name in ("worker", "model", "beat", "running", "waiting", "KV used", "KV free",
                  "prefix pages", "tokens/s", "drafts accepted", "tokens/step", *text[2:]):
         table.add_column(name, justify="left" if name in text else "right", no_wrap=True)
@@ -130,7 +130,7 @@ def _workers(s: Snapshot) -> Table:
             "-" if w.tokens_per_step is None else f"{w.tokens_per_step:.2f}", Text(w.device),
             Text(w.dtype), Text((w.kernels or "?") + (", batch-invariant"
                                                        if w.batch_invariant else "")),
-            _threads(w))
+            _threads(w), Text(", ".join(w.loras) or "-"))
     return table
 
 

@@ -96,6 +96,7 @@ class WorkerView:
     threads: int = 0  # the most CPU threads a step uses (0: none apply, a GPU worker; or not said)
     decode_threads: int = 0  # pinned in steps under 256 tokens (0: chosen by measurement)
     threads_last: int = 0  # those of its latest step
+    loras: tuple[str, ...] = ()  # the LoRA adapters it holds, least recently used first
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def _worker_view(name: str, raw: bytes, now: float) -> WorkerView:
         tokens_per_step=(round(beat.request_step_tokens / beat.request_steps, 2)
                          if beat.request_steps else None),
         kernels=beat.kernels, batch_invariant=beat.batch_invariant, threads=beat.threads,
-        decode_threads=beat.decode_threads, threads_last=beat.threads_last)
+        decode_threads=beat.decode_threads, threads_last=beat.threads_last, loras=beat.loras)
 
 
 async def _models(redis: aioredis.Redis, keys: Keys, names: list[str], fresh_since: float,

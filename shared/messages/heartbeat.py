@@ -54,6 +54,9 @@ class Heartbeat:
     draft_tokens_accepted: int = 0
     request_steps: int = 0  # a request's step that emitted tokens, counted per request
     request_step_tokens: int = 0  # tokens those emitted
+    # The LoRA adapters it holds now (worker/engine/lora/resident.py), least recently used
+    # first: placement prefers a worker holding a request's adapter (api/queue/placement.py).
+    loras: tuple[str, ...] = ()
 
     @property
     def pages_used(self) -> int:
@@ -77,6 +80,12 @@ class Heartbeat:
             if f.name not in beat or (beat[f.name] is None and f.default is None):
                 continue
             value, kind = beat[f.name], _HEARTBEAT_TYPES[f.name]
+            if kind == tuple[str, ...]:
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ValueError(f"heartbeat field {f.name!r} is not a list of names: "
+                                     f"{value!r}")
+                values[f.name] = tuple(value)
+                continue
             if kind in (int, float, int | None, float | None):
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise ValueError(f"heartbeat field {f.name!r} is not a number: {value!r}")

@@ -33,6 +33,7 @@ from shared.latency import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, round_s
 from shared.logs import log_event
 from worker.broker.clock import Clock
 from worker.engine.engine import Engine
+from worker.engine.lora.resident import Residency
 from worker.engine.scheduler import Admitted, SchedulerStats
 from worker.engine.speculation.speculator import SpeculationStats
 
@@ -87,6 +88,27 @@ class _EngineState(Collector):
                                   "Tokens sampled (rate: output tokens/s)",
                                   value=self.engine.num_generated)
         yield from _speculation(self.engine.speculator.stats())
+        if self.engine.config.loras is not None:
+            yield from _loras(self.engine.config.loras)
+
+
+def _loras(residency: Residency) -> Iterator[Metric]:
+    """Per adapter: its loads (a request naming it found it not resident, or a preload) and
+    evictions since start; and how many are resident now."""
+    loads = CounterMetricFamily("redserve_worker_lora_loads_total", "LoRA adapters loaded "
+                                "(cold: a request named one not resident; or preloaded)",
+                                labels=["adapter"])
+    for name, n in dict(residency.loads).items():  # one C call: safe during a step
+        loads.add_metric([name], n)
+    yield loads
+    evictions = CounterMetricFamily("redserve_worker_lora_evictions_total", "LoRA adapters "
+                                    "evicted (least recently used, for another's load)",
+                                    labels=["adapter"])
+    for name, n in dict(residency.evictions).items():
+        evictions.add_metric([name], n)
+    yield evictions
+    yield GaugeMetricFamily("redserve_worker_lora_resident", "LoRA adapters held now "
+                            "(at most --max-loras)", value=len(residency.resident))
 
 
 def _speculation(s: SpeculationStats) -> Iterator[Metric]:

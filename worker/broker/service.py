@@ -124,6 +124,7 @@ class WorkerService:
             outbox=self.publisher.backlog,
             draft_tokens=spec.proposed, draft_tokens_accepted=spec.accepted,
             request_steps=spec.steps, request_step_tokens=spec.tokens,
+            loras=self.engine.config.loras.resident if self.engine.config.loras else (),
         )
 
     async def run(self) -> None:

@@ -88,17 +88,13 @@ class Residency:
         self.shapes = BaseShapes.read(limits.path)
         self.loras = Loras({}, native=runner.kernels.native)  # as the base linears
         self._lru: OrderedDict[str, None] = OrderedDict()  # resident, least recent first
+        self.resident: tuple[str, ...] = ()  # the same, replaced whole: any thread may read it
         self._reads: dict[str, Future[_Read]] = {}
         self._ready: dict[str, _Read] = {}  # read, waiting for a slot
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="redserve-lora-read")
         self.loads: Counter[str] = Counter()  # since start, preloads included
         self.evictions: Counter[str] = Counter()
         self.last_load_s = 0.0  # the latest load's time on the compute thread
-
-    @property
-    def resident(self) -> tuple[str, ...]:
-        """The resident adapters, least recently used first."""
-        return tuple(self._lru)
 
     def holds(self, name: str) -> bool:
         return name in self._lru
@@ -118,6 +114,7 @@ class Residency:
         neither resident nor anywhere this worker knows of."""
         if name in self._lru:
             self._lru.move_to_end(name)
+            self.resident = tuple(self._lru)
             return
         if name in self._reads or name in self._ready:
             return
@@ -197,3 +194,4 @@ class Residency:
 
     def _attach(self) -> None:
         self.runner.loras = self.loras if self.loras.slots else None
+        self.resident = tuple(self._lru)
