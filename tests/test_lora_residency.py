@@ -1,6 +1,7 @@
 """LoRA adapters loaded on demand (worker/engine/lora/resident.py), in the engine, against peft:
 a worker holding two adapters at once serves four, each request's text that of its adapter's
-merged model alone; the least recently used adapter is the one evicted; a request whose
+merged model alone (also when an adapter is laid out over several step boundaries); the
+least recently used adapter is the one evicted; a request whose
 adapter finds every slot named by running requests waits for one and then completes; an
 adapter that fails its checks ends its own requests only, with the problem named.
 
@@ -24,6 +25,7 @@ from worker.engine.build import attach_loras
 from worker.engine.checkpoint import Checkpoint
 from worker.engine.engine import Engine, EngineConfig, StepOutput
 from worker.engine.kv_cache import KVPool
+from worker.engine.lora import resident
 from worker.engine.lora.resident import Residency
 from worker.engine.model_runner import ModelRunner
 
@@ -105,9 +107,14 @@ def _tokens(steps: list[list[StepOutput]]) -> dict[str, list[int]]:
     return tokens
 
 
+@pytest.mark.parametrize("budget", [resident.LAY_OUT_BUDGET_S, 0.0])
 def test_two_slots_serve_four_adapters_each_request_as_its_adapter_alone(
         base: tuple[PreTrainedModel, Path], adapters: dict[str, Path],
-        models: dict[str, PreTrainedModel]) -> None:
+        models: dict[str, PreTrainedModel], budget: float,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget 0: one linear laid out per step boundary, steps of the other adapters between
+    (an evicted adapter's slot reused while its linears are laid out again)."""
+    monkeypatch.setattr(resident, "LAY_OUT_BUDGET_S", budget)
     engine = _engine(base)
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in ["", *NAMES]]
     joins: dict[int, list[GenerateRequest]] = {}

