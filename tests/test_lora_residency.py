@@ -187,3 +187,26 @@ def test_a_bad_adapter_ends_its_own_requests_only(
     assert tokens["good"] == greedy(models["a"], PROMPTS[1], NEW)
     assert tokens["plain"] == greedy(models[""], PROMPTS[2], NEW)
     assert _residency(engine).resident == ("a",)
+
+
+def test_a_request_arriving_while_its_adapter_is_laid_out_waits_for_that_load(
+        base: tuple[PreTrainedModel, Path], adapters: dict[str, Path],
+        models: dict[str, PreTrainedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One linear laid out per step boundary, a base request keeping the steps going: a
+    second request for the adapter joins mid-layout and is served by the same load."""
+    monkeypatch.setattr(resident, "LAY_OUT_BUDGET_S", 0.0)
+    engine = _engine(base)
+    residency = _residency(engine)
+    engine.add(_request("base", PROMPTS[1], max_tokens=LONG))
+    engine.add(_request("first", PROMPTS[0], "a", adapters["a"]))
+    steps = [engine.step()]
+    while residency.loading and not residency.holds("a") and residency._job is None:
+        steps.append(engine.step())
+    assert residency._job is not None  # a's layout has begun, not ended
+    engine.add(_request("second", PROMPTS[2], "a", adapters["a"]))
+    steps += _run(engine, {})
+    tokens = _tokens(steps)
+    assert tokens["first"] == greedy(models["a"], PROMPTS[0], NEW)
+    assert tokens["second"] == greedy(models["a"], PROMPTS[2], NEW)
+    assert dict(residency.loads) == {"a": 1}
+

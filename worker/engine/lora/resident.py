@@ -141,8 +141,9 @@ class Residency:
             self._lru.move_to_end(name)
             self.resident = tuple(self._lru)
             return
-        if name in self._reads or name in self._ready:
-            return
+        if name in self._reads or name in self._ready or (
+                self._job is not None and self._job.read.adapter.name == name):
+            return  # on its way
         where = Path(path) if path else self.declared.get(name)
         if where is None:
             raise LoraError(f"this worker holds no LoRA adapter {name!r}, and the request "
