@@ -12,6 +12,19 @@ from transformers import PreTrainedModel
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def tiny_base(path: Path) -> PreTrainedModel:
+    """A 2-layer random Llama (seed 0) saved at `path`: an adapter is checked against its
+    config.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)).eval()
+    model.save_pretrained(str(path))
+    return model
+
+
 def make_adapter(base: PreTrainedModel, path: Path, targets: list[str], *, rank: int = 8,
                  seed: int = 0, **options: object) -> Path:
     """A PEFT adapter of `base` saved at `path`, with random A and B (`init_lora_weights`

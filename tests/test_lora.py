@@ -13,15 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from shared.lora import parse_lora_specs, read_adapters
 from shared.messages import GenerateRequest, SamplingParams
 from shared.models import ModelInfo
 from shared.page_digest import prompt_digests
 from shared.settings import WorkerSettings
-from tests.lora_adapters import ALL, greedy, make_adapter, merged
+from tests.lora_adapters import ALL, greedy, make_adapter, merged, tiny_base
 from tests.marks import KERNELS
 from worker.engine.build import attach_loras
 from worker.engine.checkpoint import Checkpoint
@@ -44,13 +43,8 @@ NEW = 12
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
     """The tiny Llama, and its directory (an adapter is checked against its config.json)."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)).eval()
     path = tmp_path_factory.mktemp("lora-base")
-    model.save_pretrained(str(path))
-    return model, path
+    return tiny_base(path), path
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from ops.benchmarks.harness.stack import Server, up
 from ops.benchmarks.lora_demand import cold_load, make_many, placement
 from ops.benchmarks.machine import describe
 from ops.benchmarks.peers import VLLM_KV_GIB, all_cores, model_dir
-from ops.benchmarks.serve import stories
+from ops.benchmarks.serve import Load, stories
 from ops.console import make_console
 from ops.embedded_redis import free_port
 from shared.settings import DEFAULT_MODEL
@@ -77,20 +76,9 @@ def make_adapters(root: Path, count: int, rank: int) -> dict[str, Path]:
     return made
 
 
-@dataclass
-class Load:
-    tokens: int = 0
-    seconds: float = 0.0
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds
-
-    def cells(self) -> list[str]:
-        return [f"{self.rate:.1f}", f"{percentile(self.ttft, 0.5) * 1e3:.0f}",
-                f"{percentile(self.itl, 0.5) * 1e3:.1f}", f"{percentile(self.itl, 0.99) * 1e3:.1f}"]
+def _cells(load: Load) -> list[str]:
+    return [f"{load.rate:.1f}", f"{percentile(load.ttft, 0.5) * 1e3:.0f}",
+            f"{percentile(load.itl, 0.5) * 1e3:.1f}", f"{percentile(load.itl, 0.99) * 1e3:.1f}"]
 
 
 async def _load(server: Server, models: list[str], prompts: tuple[str, ...],
@@ -220,7 +208,7 @@ def main() -> None:
         table.add_column(col)
     for server, loads in results.items():
         for name, load in loads.items():
-            table.add_row(server, name, *load.cells())
+            table.add_row(server, name, *_cells(load))
     console.print(table)
     ours = results["redserve up"]
     console.print(f"redserve: adapters' load against the base's: "

@@ -142,9 +142,7 @@ class Scheduler:
                  lora_ready: Callable[[str], bool] | None = None) -> None:
         self.config = config
         self.proposer = proposer
-        # Whether a LoRA adapter is resident (worker/engine/lora/resident.py): a request
-        # naming one that is not waits in the queue, and those behind it may go first.
-        self.lora_ready = lora_ready
+        self.lora_ready = lora_ready  # whether an adapter is resident (see the docstring, 3.)
         self.pages = PageManager(config.num_pages, config.page_size,
                                  prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
