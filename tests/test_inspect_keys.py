@@ -115,8 +115,8 @@ def test_names_from_redis_are_printed_as_they_are(odd: Odd) -> None:
     assert TENANT in queued and MODEL in queued
     [worker] = [line for line in lines if line.startswith(f"│ {WORKER} ")]
     assert MODEL in worker and "cpu[/i]" in worker
-    # Its heartbeat (an earlier version's) does not say how it computes.
-    assert [cell.strip() for cell in worker.split("│")][-3:-1] == ["?", "?"], worker
+    # Its heartbeat (an earlier version's) does not say how it computes, nor holds adapters.
+    assert [cell.strip() for cell in worker.split("│")][-4:-1] == ["?", "?", "-"], worker
     assert "unreadable keys" in done.stdout
     assert any(odd.keys.worker("not-json") in line and "not JSON" in line for line in lines)
     # The model filter is printed as text too.
