@@ -12,6 +12,7 @@ import re
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -135,6 +136,15 @@ def tiny_model(smollm2: ModelInfo, tmp_path_factory: pytest.TempPathFactory) -> 
     LlamaForCausalLM(config).save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model(tiny_model: Path) -> Any:
+    """`tiny_model` loaded with transformers (fp32, eval): the base LoRA tests make adapters of
+    and hold the stack to (make_adapter and merged copy it)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(tiny_model)).eval()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from ops.embedded_redis import free_port
 from tests.lora_adapters import ALL, greedy, make_adapter, merged
@@ -24,16 +24,12 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def base_model(tiny_model: Path) -> PreTrainedModel:
-    return LlamaForCausalLM.from_pretrained(str(tiny_model)).eval()
-
-
-@pytest.fixture(scope="module")
-def adapters(base_model: PreTrainedModel,
+def adapters(tiny_base_model: PreTrainedModel,
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("demand-loras")
-    return {"alpha": make_adapter(base_model, root / "alpha", ALL, seed=1),
-            "beta": make_adapter(base_model, root / "beta", ["q_proj", "down_proj"], seed=2)}
+    return {"alpha": make_adapter(tiny_base_model, root / "alpha", ALL, seed=1),
+            "beta": make_adapter(tiny_base_model, root / "beta", ["q_proj", "down_proj"],
+                                 seed=2)}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def stacks(redis_url: str, tiny_model: Path,
 
 
 def test_a_worker_without_lora_loads_each_adapter_its_requests_name(
-        stacks: tuple[Stack, Stack, int], tiny_model: Path, base_model: PreTrainedModel,
+        stacks: tuple[Stack, Stack, int], tiny_model: Path, tiny_base_model: PreTrainedModel,
         adapters: dict[str, Path]) -> None:
     api, worker, port = stacks
     client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="x", max_retries=0)
@@ -63,7 +59,7 @@ def test_a_worker_without_lora_loads_each_adapter_its_requests_name(
     for name in ["alpha", "beta", "alpha"]:
         reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=NEW,
                                           temperature=0, extra_body={"ignore_eos": True})
-        expected = greedy(merged(base_model, adapters[name]), PROMPT, NEW)
+        expected = greedy(merged(tiny_base_model, adapters[name]), PROMPT, NEW)
         assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
         # --max-loras 1: the other was evicted (as the next heartbeat says)
         assert eventually(lambda n=name: [w["loras"] for w in inspect_json(api)["workers"]]

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 import redis
-from transformers import LlamaForCausalLM
+from transformers import PreTrainedModel
 
 from shared.keys import Keys
 from shared.messages import GenerateRequest
@@ -47,8 +47,9 @@ async def _all(url: str, models: list[str]) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = LlamaForCausalLM.from_pretrained(str(tiny_model)).eval()
+def adapters(tiny_base_model: PreTrainedModel,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tiny_base_model  # the session's (make_adapter copies it)
     root = tmp_path_factory.mktemp("recovery-loras")
     return {"alpha": make_adapter(base, root / "alpha", ALL, seed=3),
             "beta": make_adapter(base, root / "beta", ["k_proj", "up_proj"], seed=4)}

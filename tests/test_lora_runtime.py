@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tests.lora_adapters import ALL, make_adapter
 from tests.stack import Stack, eventually
@@ -33,8 +33,9 @@ REFRESH_WAIT_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base: PreTrainedModel = LlamaForCausalLM.from_pretrained(str(tiny_model)).eval()
+def adapters(tiny_base_model: PreTrainedModel,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tiny_base_model  # the session's (make_adapter copies it)
     root = tmp_path_factory.mktemp("runtime-loras")
     return {"alpha": make_adapter(base, root / "alpha", ALL, seed=1),
             "beta": make_adapter(base, root / "beta", ["q_proj", "v_proj"], seed=2),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from tests.lora_adapters import ALL, greedy, make_adapter, merged
 from tests.stack import Stack
@@ -26,16 +26,11 @@ NEW = 16
 
 
 @pytest.fixture(scope="module")
-def base_model(tiny_model: Path) -> PreTrainedModel:
-    return LlamaForCausalLM.from_pretrained(str(tiny_model)).eval()
-
-
-@pytest.fixture(scope="module")
-def adapters(base_model: PreTrainedModel,
+def adapters(tiny_base_model: PreTrainedModel,
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stack-loras")
-    return {"alpha": make_adapter(base_model, root / "alpha", ALL, seed=1),
-            "beta": make_adapter(base_model, root / "beta", ["q_proj", "v_proj", "down_proj"],
+    return {"alpha": make_adapter(tiny_base_model, root / "alpha", ALL, seed=1),
+            "beta": make_adapter(tiny_base_model, root / "beta", ["q_proj", "v_proj", "down_proj"],
                                  seed=2)}
 
 
@@ -70,12 +65,12 @@ def test_models_lists_the_adapters_with_their_base(client: openai.OpenAI,
 
 
 def test_an_adapter_completes_as_peft_merged_model(
-        client: openai.OpenAI, tiny_model: Path, base_model: PreTrainedModel,
+        client: openai.OpenAI, tiny_model: Path, tiny_base_model: PreTrainedModel,
         adapters: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     texts = {}
     for name, path in {"": None, **adapters}.items():
-        model = base_model if path is None else merged(base_model, path)
+        model = tiny_base_model if path is None else merged(tiny_base_model, path)
         expected = tokenizer.decode(greedy(model, PROMPT, NEW), skip_special_tokens=True)
         texts[name] = _completion(client, name or BASE)
         assert texts[name] == expected, name
